@@ -1,0 +1,119 @@
+"""Atomic checkpoints: complete or absent, never half-written.
+
+Accelerate's `save_state` writes files in place; a kill mid-save leaves a folder that looks like a
+checkpoint and does not load. We write into a temporary folder, add a completion marker holding
+every file's checksum, then rename, and only then delete older checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE.json"
+STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int,
+         keep_steps: tuple[int, ...] = ()) -> Path:
+    """Collective: every process calls it. Returns the final folder."""
+    root = Path(root)
+    tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        sums = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+        for p in files:  # data on disk before the marker that vouches for it
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+        marker = tmp / MARKER
+        marker.write_text(json.dumps({"step": step, "files": sums}, indent=1))
+        with open(marker, "rb+") as f:
+            os.fsync(f.fileno())
+        if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        prune(root, keep_last, keep_steps)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def is_complete(path: Path, verify: bool = True) -> bool:
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        sums = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError):
+        return False
+    for rel, digest in sums.items():
+        f = Path(path) / rel
+        if not f.is_file() or (verify and _sha256(f) != digest):
+            return False
+    return True
+
+
+def list_steps(root: Path) -> list[tuple[int, Path]]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(out)
+
+
+def latest(root: Path, cleanup: bool = False) -> Path | None:
+    """Newest complete checkpoint; damaged ones are skipped with a warning, stale temporaries removed."""
+    root = Path(root)
+    if cleanup and root.is_dir():
+        for p in root.glob(".tmp-step-*"):
+            log.warning("removing unfinished checkpoint %s (a save was interrupted)", p)
+            shutil.rmtree(p, ignore_errors=True)
+    for step, path in reversed(list_steps(root)):
+        if is_complete(path):
+            return path
+        log.warning("skipping damaged checkpoint %s (missing marker or checksum mismatch)", path)
+    return None
+
+
+def prune(root: Path, keep_last: int, keep_steps: tuple[int, ...] = ()) -> None:
+    complete = [(s, p) for s, p in list_steps(root) if is_complete(p, verify=False)]
+    keep = {s for s, _ in complete[-max(keep_last, 1):]} | set(keep_steps)
+    for s, p in complete:
+        if s not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_state(path: Path) -> dict:
+    return json.loads((Path(path) / STATE).read_text())

@@ -1,0 +1,136 @@
+"""Command line: `vramfit train | plan | scan-data | prepare`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+from .errors import VramfitError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", help="recipes/NAME.yaml, or a path to a YAML recipe")
+    p.add_argument("--model", dest="model.name", help="any timm model name, e.g. efficientnet_b0")
+    p.add_argument("--data", dest="data.source",
+                   help="`digits` (built in), an image folder, a saved dataset, parquet, or a Hub id")
+    p.add_argument("--image-size", dest="data.image_size", type=int)
+    p.add_argument("--global-batch", dest="train.global_batch", type=int,
+                   help="samples per optimizer step across all processes")
+    p.add_argument("--micro-batch", dest="train.micro_batch", type=_micro,
+                   help="samples per forward/backward on one process, or `auto`")
+    p.add_argument("--precision", dest="train.precision", choices=["auto", "no", "fp16", "bf16"])
+    p.add_argument("--grad-checkpointing", dest="model.grad_checkpointing",
+                   action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
+
+
+def _micro(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--micro-batch takes a whole number or `auto`, not {v!r}")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vramfit", description="Train image classifiers that fit your GPU.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train, evaluate and save a run")
+    _common(t)
+    t.add_argument("--output", help="folder that holds run folders (default runs/)")
+    t.add_argument("--run-name", dest="run_name")
+    t.add_argument("--epochs", dest="train.epochs", type=int)
+    t.add_argument("--lr", dest="optim.lr", type=float)
+    t.add_argument("--seed", dest="train.seed", type=int)
+    t.add_argument("--tracker", dest="tracking.tracker", choices=["none", "wandb"])
+    t.add_argument("--resume", help="`auto` (default: continue this run if it has a checkpoint), "
+                                    "`never`, or a checkpoint folder")
+
+    pl = sub.add_parser("plan", help="predict device memory for a recipe, without a GPU")
+    _common(pl)
+    pl.add_argument("--memory-gib", type=float, help="device memory to fit into (default: the recipe's card)")
+    pl.add_argument("--num-processes", type=int, default=1)
+    pl.add_argument("--num-classes", type=int, default=None,
+                    help="classes of the head (default: 1000; the built-in digits: 10)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    sd = sub.add_parser("scan-data", help="check every image of a dataset before training")
+    sd.add_argument("--data", required=True)
+    sd.add_argument("--set", dest="sets", action="append", default=[])
+
+    pr = sub.add_parser("prepare", help="pre-resize a dataset once into a compact Arrow dataset")
+    pr.add_argument("--data", required=True)
+    pr.add_argument("--output", required=True)
+    pr.add_argument("--max-side", type=int, default=320)
+    pr.add_argument("--quality", type=int, default=90)
+    pr.add_argument("--workers", type=int, default=None)
+    pr.add_argument("--set", dest="sets", action="append", default=[])
+    return ap
+
+
+def _flags(ns: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(ns).items() if "." in k and v is not None}
+
+
+def _config(ns):
+    from .config import build_config
+
+    flags = _flags(ns)
+    for k in ("output", "run_name", "resume"):
+        if getattr(ns, k, None) is not None:
+            flags[k] = getattr(ns, k)
+    return build_config(getattr(ns, "recipe", None), ns.sets, flags)
+
+
+def run(argv: list[str]) -> int:
+    ns = parser().parse_args(argv)
+    if ns.command == "train":
+        from .run import train
+
+        train(_config(ns))
+        return 0
+    if ns.command == "plan":
+        from .planner import run_plan
+
+        cfg = _config(ns)
+        classes = ns.num_classes or (10 if cfg.data.source == "digits" else 1000)
+        run_plan(cfg, classes, num_processes=ns.num_processes, memory_gib=ns.memory_gib,
+                 micro_batch=cfg.train.micro_batch if isinstance(cfg.train.micro_batch, int) else None,
+                 as_json=ns.json)
+        return 0
+    if ns.command == "scan-data":
+        from .scan import scan_data
+
+        return scan_data(_data_config(ns))
+    if ns.command == "prepare":
+        from .prepare import prepare
+
+        prepare(_data_config(ns), ns.output, ns.max_side, ns.quality, ns.workers)
+        return 0
+    return 2
+
+
+def _data_config(ns):
+    from .config import build_config
+
+    return build_config(None, ns.sets, {"data.source": ns.data}).data
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        code = run(argv)
+    except VramfitError as e:
+        msg = textwrap.fill(e.message, width=100, replace_whitespace=False) if "\n" not in e.message else e.message
+        print(f"\nvramfit: error: {msg}", file=sys.stderr)
+        if e.hint:
+            print(f"HINT: {e.hint}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("\nvramfit: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code)

@@ -1,0 +1,304 @@
+"""Typed run configuration: defaults < recipe YAML < `--set key=value` < explicit flags.
+
+Every section rejects unknown keys and suggests the closest valid one, so a typo such as
+`train.global_bacth` fails before anything starts instead of silently training with a default.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import VramfitError
+
+REPO_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name: str = "resnet18"
+    pretrained: bool = False
+    pretrained_path: str | None = None
+    grad_checkpointing: bool = False
+    channels_last: bool = False
+    drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    # BatchNorm policy: `train` updates running stats; `freeze` keeps them fixed (eval-mode BN), which
+    # also makes every batch split give the same maths.
+    bn: Literal["train", "freeze"] = "train"
+    # Names (prefixes) of parameters to freeze, e.g. ["conv1", "bn1", "layer1"].
+    freeze: list[str] = Field(default_factory=list)
+
+
+class DataConfig(Section):
+    # `digits` (built in), a local folder, a saved dataset / parquet path, or a Hub dataset id.
+    source: str = "digits"
+    config: str | None = None
+    train_split: str | None = None
+    val_split: str | None = None
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    image_column: str | None = None
+    label_column: str | None = None
+    trust_remote_code: bool = False
+    image_size: int = Field(224, ge=8)
+    # Train augmentation (timm create_transform arguments).
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    auto_augment: str | None = None
+    reprob: float = Field(0.0, ge=0.0, le=1.0)
+    crop_pct: float | None = None
+    num_workers: int | Literal["auto"] = "auto"
+    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    cache_dir: str | None = None
+
+
+class TrainConfig(Section):
+    epochs: int = Field(10, ge=1)
+    # Samples per optimizer step across all processes. Fixed by the recipe; everything else derives.
+    global_batch: int = Field(64, ge=1)
+    micro_batch: int | Literal["auto"] | None = None
+    eval_batch: int | None = None
+    precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    clip_grad_norm: float | None = 1.0
+    seed: int = 0
+    log_every_steps: int = Field(10, ge=1)
+
+    @field_validator("micro_batch")
+    @classmethod
+    def _positive(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("micro_batch must be >= 1 (or `auto`)")
+        return v
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.05, ge=0.0)
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_epochs: float = Field(1.0, ge=0.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0)  # 0: only at epoch ends
+    keep_last: int = Field(2, ge=1)
+
+
+class TrackingConfig(Section):
+    tracker: Literal["none", "wandb"] = "none"
+    project: str = "vramfit"
+    entity: str | None = None
+
+
+class HardwareConfig(Section):
+    """The card a recipe targets; the planner checks the recipe fits it."""
+
+    name: str | None = None
+    memory_gib: float | None = Field(None, gt=0)
+    safety_margin: float = Field(0.1, ge=0.0, lt=1.0)
+
+
+class DebugConfig(Section):
+    # Any forward with more than N samples raises torch.OutOfMemoryError (tests the OOM path on CPU).
+    simulate_oom_above: int | None = None
+    # Only this process rank simulates (None: every rank), to test that ranks agree before retrying.
+    simulate_oom_rank: int | None = None
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+    recipe: str | None = None
+    output: str = "runs"
+    run_name: str | None = None
+    # `auto`: continue from the newest complete checkpoint of this run if there is one.
+    # `never`: refuse to reuse an existing run folder. Or a path to a checkpoint folder.
+    resume: str = "auto"
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.model.pretrained and self.model.pretrained_path:
+            raise ValueError("model.pretrained and model.pretrained_path are exclusive: pick one")
+        return self
+
+    def resolved_run_name(self) -> str:
+        if self.run_name:
+            return self.run_name
+        # Named from what distinguishes runs so they line up side by side in W&B and on disk;
+        # the same command gives the same name, so re-running it resumes.
+        recipe = Path(self.recipe).stem if self.recipe else "custom"
+        model = self.model.name.replace("/", "_").replace(":", "_")
+        return (f"{recipe}-{model}-{self.data.image_size}px-gb{self.train.global_batch}"
+                f"-{self.train.precision}-s{self.train.seed}")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and overriding
+
+
+def find_recipe(name: str) -> Path:
+    """`--recipe NAME` finds `recipes/NAME.yaml` (cwd first, then the repository), or takes a path."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    for base in (Path.cwd() / "recipes", REPO_RECIPES):
+        cand = base / f"{name}.yaml"
+        if cand.is_file():
+            return cand
+    known = sorted({q.stem for base in (Path.cwd() / "recipes", REPO_RECIPES) if base.is_dir()
+                    for q in base.glob("*.yaml")})
+    close = difflib.get_close_matches(name, known, n=3)
+    raise VramfitError(
+        f"Recipe `{name}` was not found (looked for a YAML file, ./recipes/{name}.yaml and "
+        f"{REPO_RECIPES}/{name}.yaml).",
+        hint=(f"did you mean {', '.join(close)}? " if close else "")
+        + f"Known recipes: {', '.join(known) or 'none'}; or pass a path to a YAML file.")
+
+
+def load_recipe(name: str) -> dict[str, Any]:
+    path = find_recipe(name)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise VramfitError(f"Recipe {path} is not valid YAML: {e}", hint="fix the file's syntax") from e
+    if not isinstance(data, dict):
+        raise VramfitError(f"Recipe {path} must be a mapping of sections, got {type(data).__name__}.")
+    return data
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise VramfitError(f"Cannot set `{dotted}`: `{k}` is a value, not a section.")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise VramfitError(f"`--set {item}` is not of the form key=value.",
+                               hint="write e.g. --set optim.lr=3e-4 --set data.image_size=160")
+        key, raw = item.split("=", 1)
+        _set_path(out, key.strip(), yaml.safe_load(raw) if raw != "" else None)
+    return out
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _explain(err: ValidationError) -> VramfitError:
+    lines, hints = [], []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            model = _model_at(e["loc"])
+            valid = list(model.model_fields) if model else []
+            close = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1, cutoff=0.5)
+            prefix = ".".join(str(x) for x in e["loc"][:-1])
+            lines.append(f"unknown key `{loc}`")
+            if close:
+                hints.append(f"did you mean `{prefix + '.' if prefix else ''}{close[0]}`?")
+            else:
+                hints.append(f"valid keys{' in `' + prefix + '`' if prefix else ''}: {', '.join(valid)}")
+        else:
+            lines.append(f"`{loc}`: {e['msg']} (got {e.get('input')!r})")
+    return VramfitError("Invalid configuration: " + "; ".join(lines) + ".",
+                        hint=" ".join(hints) or "see docs/recipes.md for the keys and their types")
+
+
+def build_config(recipe: str | None = None, sets: list[str] | None = None,
+                 flags: dict[str, Any] | None = None) -> Config:
+    """Resolve the config. `flags` maps dotted keys to values given as explicit CLI flags."""
+    tree: dict[str, Any] = load_recipe(recipe) if recipe else {}
+    tree = deep_merge(tree, parse_set(sets or []))
+    for dotted, value in (flags or {}).items():
+        if value is not None:
+            _set_path(tree, dotted, value)
+    if recipe:
+        tree["recipe"] = recipe
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise _explain(e) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch arithmetic: derived, never configured twice.
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def per_process_batch(global_batch: int, num_processes: int) -> int:
+    if global_batch % num_processes:
+        valid = [g for g in (global_batch - global_batch % num_processes,
+                             global_batch + num_processes - global_batch % num_processes) if g > 0]
+        raise VramfitError(
+            f"global_batch {global_batch} does not divide over {num_processes} processes.",
+            hint=f"use global_batch {' or '.join(map(str, valid))} (a multiple of the process count), "
+                 f"e.g. --global-batch {valid[-1]}")
+    return global_batch // num_processes
+
+
+def grad_accum_steps(global_batch: int, micro_batch: int, num_processes: int) -> int:
+    """accum = global_batch / (micro_batch x processes), which must be a whole number."""
+    per_proc = per_process_batch(global_batch, num_processes)
+    if micro_batch > per_proc or per_proc % micro_batch:
+        ok = [d for d in _divisors(per_proc)]
+        near = sorted(ok, key=lambda d: (abs(d - micro_batch), -d))[:3]
+        raise VramfitError(
+            f"micro_batch {micro_batch} does not divide the per-process batch {per_proc} "
+            f"(global_batch {global_batch} / {num_processes} processes), so the accumulation steps "
+            f"would not be a whole number.",
+            hint=f"use --micro-batch {' or '.join(map(str, sorted(near)))}; valid values: "
+                 f"{', '.join(map(str, ok))}")
+    return per_proc // micro_batch
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in _divisors(n) if d <= max(1, cap))

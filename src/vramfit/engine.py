@@ -1,0 +1,220 @@
+"""One optimizer step (split into micro-batches, OOM-safe) and one evaluation pass.
+
+The loader hands each process its share of one optimizer batch; only the split into micro-batches
+changes when memory runs out, so the maths of the run never does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .config import largest_divisor_at_most
+from .errors import VramfitError
+from .metrics import ClassificationMetrics
+
+OK, THRASH, OOM, NONFINITE = 0, 1, 2, 3
+
+
+@dataclass
+class StepState:
+    micro_batch: int  # current micro-batch size on this process (shrinks on OOM, never grows)
+    per_process_batch: int
+    oom_retries: int = 0
+    alloc_retries: int = 0
+    history: list = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss over the global batch
+    correct: int
+    samples: int
+    grad_norm: float | None
+    skipped: bool  # fp16 GradScaler skipped the update
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _agree(flag: int, device) -> int:
+    """Every process learns the worst flag of any process (a collective, so no rank is left waiting)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([flag], device=device, dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def allreduce_grads(params, bucket_bytes: int = 32 * 2**20) -> None:
+    """Sum gradients over processes in flat buckets.
+
+    Written by hand because DDP's reducer fires inside backward, before we know whether some other
+    rank ran out of memory; reducing after the agreement keeps every rank able to retry the batch.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket, size = [], 0
+    for g in grads + [None]:
+        if g is not None:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket and (g is None or size >= bucket_bytes):
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat)
+            for t, r in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                t.copy_(r)
+            bucket, size = [], 0
+
+
+def _micro_chunks(n: int, micro: int):
+    return [(s, min(s + micro, n)) for s in range(0, n, micro)]
+
+
+def train_step(accelerator, model, optimizer, images, labels, step_samples: int, state: StepState,
+               *, label_smoothing: float, clip_grad_norm: float | None, loss_fn=None) -> StepResult:
+    """Forward/backward the process's share in micro-batches, agree, reduce, clip, step.
+
+    Each micro-batch loss is a SUM over its samples divided by the samples of the whole optimizer
+    batch (all processes), and gradients are SUMMED over processes: the update is the exact mean
+    over the global batch for any split, including a short last micro-batch or a short last batch.
+    """
+    device = accelerator.device
+    n = labels.shape[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    while True:
+        flag, loss_sum, correct = OK, torch.zeros((), device=device), 0
+        retries_before = _alloc_retries(device)
+        try:
+            with accelerator.no_sync(model):
+                for s, e in _micro_chunks(n, state.micro_batch):
+                    x, y = images[s:e], labels[s:e]
+                    logits = model(x)
+                    if loss_fn is not None:
+                        loss = loss_fn(logits, y)
+                    else:
+                        loss = F.cross_entropy(logits.float(), y, reduction="sum",
+                                               label_smoothing=label_smoothing)
+                    accelerator.backward(loss / step_samples)
+                    loss_sum += loss.detach()
+                    correct += int((logits.detach().argmax(1) == y).sum())
+                    del logits, loss
+        except Exception as e:  # noqa: BLE001 - only OOM is handled; anything else re-raises
+            if not _is_oom(e):
+                raise
+            flag = OOM
+        if flag == OK and not math.isfinite(float(loss_sum)):
+            flag = NONFINITE
+        if flag == OK and _alloc_retries(device) > retries_before:
+            flag = THRASH
+        flag = _agree(flag, device)
+        if flag == OOM:
+            _free(optimizer, device)
+            _shrink(state, "out of memory")
+            continue
+        if flag == NONFINITE:
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(float(loss_sum))
+        break
+
+    allreduce_grads(params)
+    grad_norm = None
+    if clip_grad_norm:
+        grad_norm = float(accelerator.clip_grad_norm_(params, clip_grad_norm))
+    optimizer.step()
+    skipped = bool(getattr(optimizer, "step_was_skipped", False))
+    optimizer.zero_grad(set_to_none=True)
+    if flag == THRASH:  # the allocator had to free cached blocks to fit: split smaller next time
+        _shrink(state, "allocator thrashing")
+    total = _sum_over_processes(torch.stack([loss_sum.float(), torch.tensor(float(correct), device=device)]))
+    return StepResult(loss=float(total[0]) / step_samples, correct=int(total[1]), samples=step_samples,
+                      grad_norm=grad_norm, skipped=skipped)
+
+
+class NonFiniteLoss(Exception):
+    def __init__(self, value: float):
+        super().__init__(f"non-finite loss {value}")
+        self.value = value
+
+
+def _sum_over_processes(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def _alloc_retries(device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def _free(optimizer, device) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _shrink(state: StepState, why: str) -> None:
+    if state.micro_batch <= 1:
+        raise MicroBatchExhausted(why)
+    new = largest_divisor_at_most(state.per_process_batch, state.micro_batch // 2)
+    state.history.append({"from": state.micro_batch, "to": new, "why": why})
+    state.micro_batch = new
+    state.oom_retries += 1
+
+
+class MicroBatchExhausted(Exception):
+    """Even micro-batch 1 does not fit."""
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, num_classes: int, eval_micro: list[int], normalize) -> dict:
+    """Exact accuracy over the validation set across processes (`gather_for_metrics` drops the
+    samples the sharded loader repeats to even out the last batch). `eval_micro` is a one-element
+    list so an OOM-driven reduction persists across calls."""
+    model.eval()
+    metrics = ClassificationMetrics(num_classes)
+    bad, loss_sum = [], 0.0
+    for batch in loader:
+        x, y = normalize(batch.images), batch.labels.to(accelerator.device)
+        while True:
+            try:
+                logits = torch.cat([model(x[s:e]).float() for s, e in _micro_chunks(len(y), eval_micro[0])])
+                break
+            except Exception as e:  # noqa: BLE001
+                if not _is_oom(e) or eval_micro[0] == 1:
+                    raise
+                _free_eval(accelerator.device)
+                eval_micro[0] = max(1, eval_micro[0] // 2)
+        logits, y = accelerator.gather_for_metrics((logits, y))
+        valid = y >= 0  # -1 marks an unreadable validation image (masked, reported)
+        metrics.add(logits[valid], y[valid])
+        loss_sum += float(F.cross_entropy(logits[valid], y[valid], reduction="sum")) if valid.any() else 0.0
+        bad.extend(batch.bad)
+    out = metrics.compute()
+    out["loss"] = loss_sum / max(1, out["samples"])
+    out["unreadable"] = bad
+    model.train()
+    return out
+
+
+def _free_eval(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def oom_message(state: StepState, plan_text: str | None) -> VramfitError:
+    return VramfitError(
+        "Out of memory even at micro-batch 1: this model/image size/precision does not fit this "
+        "device." + (f"\n{plan_text}" if plan_text else ""),
+        hint="try --precision bf16, --grad-checkpointing, a smaller --set data.image_size, frozen "
+             "early stages (--set model.freeze=[...]) or a lighter --model; `vramfit plan` shows "
+             "the predicted peak of each", exit_code=3)

@@ -1,0 +1,132 @@
+"""timm model creation: head sized to the data, weights, freezing, BatchNorm policy, checkpointing."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+import timm
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .errors import VramfitError
+
+_SOURCE_PREFIXES = ("hf-hub:", "local-dir:")
+
+
+def check_model_name(name: str) -> None:
+    if name.startswith(_SOURCE_PREFIXES):
+        return
+    arch = name.split(".", 1)[0]  # `resnet50.a1_in1k` names a weight tag of `resnet50`
+    if timm.is_model(arch):
+        return
+    names = timm.list_models()
+    close = difflib.get_close_matches(arch, names, n=5, cutoff=0.6)
+    if not close:
+        close = [n for n in names if arch.lower() in n][:5]
+    raise VramfitError(
+        f"Unknown model `{name}`: timm {timm.__version__} has no architecture of that name.",
+        hint=(f"close matches: {', '.join(close)}. " if close else "")
+        + "List them with `python -c \"import timm; print(timm.list_models('*resnet*'))\"`.")
+
+
+def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True) -> nn.Module:
+    """Build the model on CPU. `load_weights=False` skips any weight loading (memory planning)."""
+    check_model_name(cfg.name)
+    kwargs: dict = dict(num_classes=num_classes, drop_rate=cfg.drop_rate)
+    if cfg.drop_path_rate:
+        kwargs["drop_path_rate"] = cfg.drop_path_rate
+    pretrained = load_weights and (cfg.pretrained or cfg.pretrained_path is not None)
+    if load_weights and cfg.pretrained_path:
+        path = Path(cfg.pretrained_path)
+        if not path.is_file():
+            raise VramfitError(f"model.pretrained_path `{path}` does not exist.",
+                               hint="point it at a .safetensors / .pth / .bin weight file")
+        # Through timm's pretrained loader (not checkpoint_path) so a 1000-class head is dropped and
+        # re-initialised for our classes instead of failing on a shape mismatch.
+        kwargs["pretrained_cfg_overlay"] = dict(file=str(path.resolve()), num_classes=None)
+    try:
+        model = timm.create_model(cfg.name, pretrained=pretrained, **kwargs)
+    except (OSError, ConnectionError, RuntimeError, ValueError) as e:
+        text = str(e)
+        if pretrained and not cfg.pretrained_path and _looks_offline(e):
+            raise VramfitError(
+                f"Could not download pretrained weights for `{cfg.name}` ({type(e).__name__}: "
+                f"{text.splitlines()[0][:200] if text else 'no detail'}).",
+                hint="this machine cannot reach the Hugging Face Hub. Either run with "
+                     "`--set model.pretrained=false` (random init), or download the weights once on a "
+                     "machine with network and pass `--set model.pretrained_path=/path/to/model.safetensors`.",
+            ) from None
+        raise VramfitError(f"Could not create model `{cfg.name}`: {type(e).__name__}: {text[:500]}",
+                           hint="check the model name and model.* settings") from None
+
+    if cfg.bn == "freeze":
+        # Library conversion: BatchNorm2d -> FrozenBatchNorm2d (fixed statistics and affine). Every
+        # batch split then gives identical maths, and small micro-batches do not corrupt statistics.
+        model = timm.layers.freeze_batch_norm_2d(model)
+    if cfg.freeze:
+        freeze_parameters(model, cfg.freeze)
+    if cfg.grad_checkpointing:
+        try:
+            model.set_grad_checkpointing(True)
+        except (AssertionError, NotImplementedError, AttributeError) as e:
+            raise VramfitError(f"`{cfg.name}` does not support gradient checkpointing ({e}).",
+                               hint="run with --no-grad-checkpointing") from None
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def _looks_offline(e: Exception) -> bool:
+    names = {type(x).__name__ for x in _chain(e)}
+    text = " ".join(str(x) for x in _chain(e)).lower()
+    return bool(names & {"LocalEntryNotFoundError", "ConnectionError", "OfflineModeIsEnabled",
+                         "MaxRetryError", "NameResolutionError", "ConnectTimeout"}) or any(
+        w in text for w in ("offline", "connection", "resolve", "network", "hf_hub_offline",
+                            "cannot find the requested files"))
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def freeze_parameters(model: nn.Module, prefixes: list[str]) -> int:
+    names = [n for n, _ in model.named_parameters()]
+    frozen = 0
+    for prefix in prefixes:
+        hits = [n for n in names if n == prefix or n.startswith(prefix + ".")]
+        if not hits:
+            tops = sorted({n.split(".")[0] for n in names})
+            raise VramfitError(f"model.freeze names `{prefix}`, which matches no parameter.",
+                               hint=f"top-level modules of this model: {', '.join(tops)}")
+        for n, p in model.named_parameters():
+            if n in hits:
+                p.requires_grad_(False)
+                frozen += 1
+    return frozen
+
+
+def data_config(model: nn.Module, image_size: int, crop_pct: float | None = None) -> dict:
+    """Mean/std/interpolation/crop from the model's pretrained config, at our image size."""
+    cfg = timm.data.resolve_data_config({}, model=model)
+    cfg["input_size"] = (3, image_size, image_size)
+    if crop_pct is not None:
+        cfg["crop_pct"] = crop_pct
+    return cfg
+
+
+def export(model: nn.Module, out_dir: Path, class_names: list[str], data_cfg: dict) -> None:
+    """Write `model/`: safetensors weights + timm config.json (loadable with `local-dir:`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    timm.models.save_for_hf(
+        model, str(out_dir), safe_serialization=True,
+        model_config={"label_names": list(class_names), "num_classes": len(class_names)},
+        data_config={k: v for k, v in data_cfg.items() if k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")},
+    )
+    (out_dir / "class_names.json").write_text(json.dumps(list(class_names), indent=1))

@@ -1,0 +1,465 @@
+"""`vramfit train`: one linear, sectioned training run, readable top to bottom."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint
+from .config import Config, grad_accum_steps, largest_divisor_at_most, per_process_batch
+from .errors import VramfitError
+from .tracking import RunLog, environment, write_json
+
+log = logging.getLogger("vramfit")
+
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+class SignalFlag:
+    """The handler only records the signal; the loop agrees and saves at the next step boundary."""
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def install(self):
+        for name in _STOP_SIGNALS:
+            s = getattr(signal, name, None)
+            if s is not None:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        self.signum = signum
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def resolve_precision(requested: str, device_type: str) -> tuple[str, str | None]:
+    if device_type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported()
+        if requested == "auto":
+            return ("bf16" if bf16 else "fp16"), None
+        if requested == "bf16" and not bf16:
+            return "fp16", "this GPU has no bf16 support: using fp16 (with loss scaling) instead"
+        return requested, None
+    if requested == "auto":
+        return "no", None
+    if requested == "fp16":
+        return "no", f"fp16 needs a CUDA GPU; on {device_type} training runs in fp32 (`no`)"
+    return requested, None
+
+
+def _memory_figures(device) -> dict:
+    import psutil
+
+    out = {"host_rss_bytes": psutil.Process().memory_info().rss}
+    if device.type == "cuda":
+        out.update(mem_allocated_bytes=torch.cuda.memory_allocated(device),
+                   mem_reserved_bytes=torch.cuda.memory_reserved(device),
+                   mem_peak_bytes=torch.cuda.max_memory_reserved(device))
+    return out
+
+
+def _simulate_oom(limit: int | None, rank_only: int | None, rank: int):
+    def hook(_module, args):
+        x = args[0]
+        if limit is not None and x.shape[0] > limit and (rank_only is None or rank_only == rank):
+            raise torch.OutOfMemoryError(
+                f"simulated out of memory: forward with {x.shape[0]} > debug.simulate_oom_above={limit}")
+    return hook
+
+
+def train(cfg: Config) -> dict:
+    # Must be set before CUDA initialises; expandable segments cut fragmentation-driven OOMs.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
+
+    from . import data as D
+    from .engine import MicroBatchExhausted, NonFiniteLoss, StepState, evaluate, oom_message, train_step
+    from .models import create_model, data_config, export
+    from .optim import create_optimizer, create_scheduler
+
+    t_start = time.time()
+    # ---------------------------------------------------------------- accelerator
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    precision, precision_note = resolve_precision(cfg.train.precision, device_type)
+    use_wandb = cfg.tracking.tracker == "wandb"
+    acc = Accelerator(
+        mixed_precision=precision,
+        log_with="wandb" if use_wandb else None,
+        # Buffers are not broadcast in forward: that would be a collective inside each micro-batch,
+        # where a rank that ran out of memory could no longer join. BN statistics are averaged
+        # across processes before every evaluation and save instead.
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+        step_scheduler_with_optimizer=False,
+    )
+    main = acc.is_main_process
+    world, rank = acc.num_processes, acc.process_index
+    logging.basicConfig(level=logging.INFO if main else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr)
+    for noisy in ("accelerate", "datasets", "timm"):  # their per-save INFO lines drown the run's own
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if precision_note and main:
+        log.warning("precision: %s", precision_note)
+
+    run_name = cfg.resolved_run_name()
+    run_dir = Path(cfg.output) / run_name
+    ckpt_dir = run_dir / "checkpoints"
+
+    # ---------------------------------------------------------------- resume decision
+    resume_from = None
+    if cfg.resume == "never":
+        if ckpt_dir.exists() and checkpoint.list_steps(ckpt_dir):
+            raise VramfitError(f"Run folder {run_dir} already holds checkpoints and --resume never was given.",
+                               hint="re-run with --resume auto to continue it, or pick another --run-name")
+    elif cfg.resume == "auto":
+        if main:
+            checkpoint.latest(ckpt_dir, cleanup=True)
+        acc.wait_for_everyone()
+        resume_from = checkpoint.latest(ckpt_dir)
+    else:
+        resume_from = Path(cfg.resume)
+        if not checkpoint.is_complete(resume_from):
+            raise VramfitError(f"--resume {cfg.resume} is not a complete checkpoint folder.",
+                               hint=f"use --resume auto, or one of {ckpt_dir}/step-N")
+    resumed_state = checkpoint.read_state(resume_from) if resume_from else None
+    if resumed_state and resumed_state.get("finished") and (run_dir / "summary.json").exists():
+        import json
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if main:
+            log.info("Run %s already finished (%d epochs, best accuracy %.4f); nothing to do. "
+                     "Use another --run-name to train again.", run_dir, summary.get("epochs", 0),
+                     summary.get("best_accuracy") or 0.0)
+        return summary
+    if resumed_state:
+        _check_resume_compatible(cfg, resumed_state, world)
+
+    set_seed(cfg.train.seed)  # same initial weights on every process
+
+    # ---------------------------------------------------------------- data
+    with acc.main_process_first():
+        splits = D.load_splits(cfg.data, cfg.train.seed)
+    num_classes = len(splits.class_names)
+    if resumed_state and resumed_state.get("class_names") not in (None, splits.class_names):
+        raise VramfitError(
+            f"The dataset's classes {splits.class_names[:10]}... differ from the checkpoint's "
+            f"{resumed_state['class_names'][:10]}...: the model head would not match.",
+            hint="resume with the same data, or start a new run (--run-name)")
+
+    # ---------------------------------------------------------------- model
+    model = create_model(cfg.model, num_classes)
+    data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
+    if cfg.debug.simulate_oom_above is not None:
+        model.register_forward_pre_hook(_simulate_oom(cfg.debug.simulate_oom_above,
+                                                      cfg.debug.simulate_oom_rank, rank))
+
+    # ---------------------------------------------------------------- batch arithmetic
+    per_proc = per_process_batch(cfg.train.global_batch, world)
+    plan = _choose_micro_batch(cfg, num_classes, per_proc, world, device_type)
+    micro = plan["micro_batch"]
+    accum = grad_accum_steps(cfg.train.global_batch, micro, world)
+    steps_per_epoch = D.steps_per_epoch(len(splits.train), cfg.train.global_batch, world)
+    if steps_per_epoch == 0:
+        raise VramfitError(
+            f"The training split has {len(splits.train)} images, fewer than one global batch "
+            f"({cfg.train.global_batch}).", hint="lower --global-batch or add data")
+
+    # ---------------------------------------------------------------- optimizer, schedule
+    optimizer = create_optimizer(model, cfg.optim)
+    scheduler = create_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs)
+    model, optimizer = acc.prepare(model, optimizer)
+    # The scheduler is not prepared: Accelerate would step it once per process.
+    acc.register_for_checkpointing(scheduler)
+
+    # ---------------------------------------------------------------- loaders
+    train_tf, val_tf = D.build_transforms(cfg.data, data_cfg)
+    workers = D.resolve_workers(cfg.data, device_type, acc.state.num_processes if world > 1 else 1)
+    pin = device_type == "cuda"
+    sampler = D.StepBatchSampler(len(splits.train), cfg.train.global_batch, rank, world, cfg.train.seed)
+    train_ds = D.ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf,
+                              cfg.data.image_size, cfg.train.seed, train=True)
+    train_loader = D.make_loader(train_ds, batch_sampler=sampler, workers=workers, pin=pin)
+    val_ds = D.ImageDataset(splits.val, splits.image_column, splits.label_column, val_tf,
+                            cfg.data.image_size, cfg.train.seed, train=False)
+    eval_batch = cfg.train.eval_batch or max(micro, min(per_proc, 256))
+    val_loader = acc.prepare_data_loader(D.make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))
+    normalize = D.normalizer(data_cfg, acc.device, cfg.model.channels_last)
+
+    # ---------------------------------------------------------------- state and resume
+    st = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "samples_seen": 0, "best_accuracy": None,
+          "best_step": None, "final_accuracy": None, "oom_retries": 0, "skipped_samples": 0,
+          "skipped_steps": 0, "micro_batch": micro, "class_names": splits.class_names,
+          "world_size": world, "global_batch": cfg.train.global_batch, "finished": False,
+          "fingerprint": _fingerprint(cfg)}
+    if resume_from:
+        acc.load_state(str(resume_from))
+        st.update({k: v for k, v in resumed_state.items() if k in st and k not in ("micro_batch",)})
+        if main:
+            log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", resume_from,
+                     st["epoch"], st["step_in_epoch"], st["global_step"])
+    step_state = StepState(micro_batch=micro, per_process_batch=per_proc, oom_retries=st["oom_retries"])
+
+    # ---------------------------------------------------------------- run folder
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        write_json(run_dir / "env.json", environment(acc))
+        write_json(run_dir / "plan.json", {**plan, "grad_accum_steps": accum, "num_processes": world,
+                                           "per_process_batch": per_proc, "precision": precision})
+    if use_wandb:
+        from .tracking import scrub
+        acc.init_trackers(cfg.tracking.project, config=scrub(cfg.model_dump(mode="json")),
+                          init_kwargs={"wandb": {"name": run_name, "dir": str(run_dir.resolve()),
+                                                 **({"entity": cfg.tracking.entity} if cfg.tracking.entity else {}),
+                                                 "resume": "allow", "id": _wandb_id(run_dir)}})
+    runlog = RunLog(acc, run_dir, use_wandb)
+    if main:
+        log.info("vramfit: %s | %s | %d classes, %d train / %d val images%s",
+                 run_name, splits.description, num_classes, len(splits.train), len(splits.val),
+                 "".join(f"\n  note: {n}" for n in splits.notes))
+        log.info("batch: global %d = micro %d x accum %d x %d process(es) | precision %s | device %s | "
+                 "%d steps/epoch, %d workers", cfg.train.global_batch, micro, accum, world, precision,
+                 acc.device, steps_per_epoch, workers)
+
+    # ---------------------------------------------------------------- loop
+    flag = SignalFlag().install()
+    model.train()
+    bad_files: dict[str, int] = {}
+    total_train_time, total_train_samples, data_wait = 0.0, 0, 0.0
+    exit_signal = 0
+    try:
+        for epoch in range(st["epoch"], cfg.train.epochs):
+            sampler.set_epoch(epoch, st["step_in_epoch"] if epoch == st["epoch"] else 0)
+            st["epoch"] = epoch
+            pbar = _progress(main, len(sampler), epoch, cfg.train.epochs)
+            t_epoch = time.time()
+            t_wait = time.time()
+            for batch in train_loader:
+                t_got = time.time()
+                data_wait += t_got - t_wait
+                if st["global_step"] == 0 or st["step_in_epoch"] == 0:
+                    D.check_batch_shape(batch.images, cfg.data.image_size)
+                for b in batch.bad:
+                    bad_files[b] = bad_files.get(b, 0) + 1
+                    st["skipped_samples"] += 1
+                    log.warning("unreadable image replaced: %s", b)
+                _check_bad_fraction(bad_files, len(splits.train), cfg.data.max_bad_fraction)
+                images = normalize(batch.images)
+                labels = batch.labels.to(acc.device, non_blocking=True)
+                try:
+                    res = train_step(acc, model, optimizer, images, labels, batch.step_samples, step_state,
+                                     label_smoothing=cfg.train.label_smoothing,
+                                     clip_grad_norm=cfg.train.clip_grad_norm)
+                except MicroBatchExhausted:
+                    _dump_memory(run_dir, acc)
+                    raise oom_message(step_state, _plan_text(plan)) from None
+                except NonFiniteLoss as e:
+                    raise _nonfinite_error(e, st, batch, ckpt_dir) from None
+                if res.grad_norm is not None and not math.isfinite(res.grad_norm) and precision != "fp16":
+                    raise _nonfinite_error(NonFiniteLoss(res.grad_norm), st, batch, ckpt_dir, "gradient norm")
+                st["skipped_steps"] += int(res.skipped)
+                st["global_step"] += 1
+                st["step_in_epoch"] += 1
+                st["samples_seen"] += res.samples
+                st["oom_retries"] = step_state.oom_retries
+                scheduler.step_update(num_updates=st["global_step"])
+                dt = time.time() - t_got
+                total_train_time += time.time() - t_wait
+                total_train_samples += res.samples
+                lr = optimizer.param_groups[0]["lr"]
+                if pbar is not None:
+                    pbar.update(1)
+                    pbar.set_postfix(loss=f"{res.loss:.4f}", lr=f"{lr:.2e}",
+                                     ips=f"{res.samples / max(dt, 1e-9):.0f}", mb=step_state.micro_batch)
+                if st["global_step"] % cfg.train.log_every_steps == 0 or st["global_step"] == 1:
+                    runlog.log({"kind": "train", "epoch": epoch, "loss": res.loss,
+                                "accuracy": res.correct / res.samples, "lr": lr,
+                                "grad_norm": res.grad_norm, "micro_batch": step_state.micro_batch,
+                                "oom_retries": step_state.oom_retries,
+                                "images_per_second": total_train_samples / max(total_train_time, 1e-9),
+                                "data_wait_fraction": data_wait / max(total_train_time, 1e-9),
+                                **_memory_figures(acc.device)}, st["global_step"])
+                stop = _agree_stop(flag.signum, acc)
+                every = cfg.checkpoint.every_steps
+                if stop or (every and st["global_step"] % every == 0):
+                    _save(acc, model, ckpt_dir, st, cfg)
+                if stop:
+                    exit_signal = stop
+                    break
+                t_wait = time.time()
+            if pbar is not None:
+                pbar.close()
+            if exit_signal:
+                break
+            # ---- end of epoch: evaluate, keep the best weights, checkpoint
+            _sync_bn(acc, model)
+            metrics = evaluate(acc, model, val_loader, num_classes, [eval_batch], normalize)
+            unreadable_val = metrics.pop("unreadable")
+            st["final_accuracy"] = metrics["accuracy"]
+            st["epoch"], st["step_in_epoch"] = epoch + 1, 0
+            improved = st["best_accuracy"] is None or metrics["accuracy"] > st["best_accuracy"]
+            if improved:
+                st["best_accuracy"], st["best_step"] = metrics["accuracy"], st["global_step"]
+                if main:
+                    export(acc.unwrap_model(model), run_dir / "model", splits.class_names, data_cfg)
+            runlog.log({"kind": "eval", "epoch": epoch + 1, "val_loss": metrics["loss"],
+                        "val_accuracy": metrics["accuracy"], "val_top5": metrics["top5"],
+                        "val_samples": metrics["samples"], "val_unreadable": len(unreadable_val),
+                        "epoch_seconds": time.time() - t_epoch}, st["global_step"])
+            if main:
+                log.info("epoch %d/%d: val accuracy %.4f (top5 %.4f, %d images), loss %.4f%s",
+                         epoch + 1, cfg.train.epochs, metrics["accuracy"], metrics["top5"],
+                         metrics["samples"], metrics["loss"], " (best)" if improved else "")
+            st["finished"] = epoch + 1 == cfg.train.epochs
+            _save(acc, model, ckpt_dir, st, cfg)
+            if _agree_stop(flag.signum, acc):
+                exit_signal = flag.signum or signal.SIGTERM
+                break
+    finally:
+        flag.restore()
+
+    # ---------------------------------------------------------------- summary
+    summary = {
+        "run_name": run_name, "best_accuracy": st["best_accuracy"], "final_accuracy": st["final_accuracy"],
+        "epochs": st["epoch"], "global_step": st["global_step"], "global_batch": cfg.train.global_batch,
+        "micro_batch": step_state.micro_batch, "grad_accum_steps": per_proc // step_state.micro_batch,
+        "num_processes": world, "precision": precision,
+        "images_per_second": total_train_samples / total_train_time if total_train_time else None,
+        "peak_memory_bytes": torch.cuda.max_memory_reserved(acc.device) if device_type == "cuda" else None,
+        "skipped_samples": st["skipped_samples"], "skipped_steps": st["skipped_steps"],
+        "oom_retries": step_state.oom_retries, "micro_batch_changes": step_state.history,
+        "wall_seconds": time.time() - t_start, "finished": st["finished"],
+        "unreadable_files": sorted(bad_files),
+    }
+    if main:
+        write_json(run_dir / "summary.json", summary)
+    if use_wandb:
+        acc.end_training()
+    if exit_signal:
+        if main:
+            log.warning("Stopped by signal %d at global step %d; checkpoint saved. Re-run the same "
+                        "command to resume.", exit_signal, st["global_step"])
+        raise SystemExit(128 + int(exit_signal))
+    return summary
+
+
+# -------------------------------------------------------------------------------------------------
+# Helpers of the loop (kept here: they only make sense inside it)
+
+
+def _choose_micro_batch(cfg: Config, num_classes: int, per_proc: int, world: int, device_type: str) -> dict:
+    mb = cfg.train.micro_batch
+    plan: dict = {"requested_micro_batch": mb}
+    if mb is None or (mb == "auto" and device_type != "cuda"):
+        # Without a device to size against, the whole per-process batch runs at once.
+        plan["micro_batch"] = per_proc
+        plan["reason"] = "whole per-process batch" if mb is None else "auto on CPU: whole per-process batch"
+        return plan
+    if mb == "auto":
+        from .memory import auto_micro_batch
+        plan.update(auto_micro_batch(cfg, num_classes, per_proc))
+        return plan
+    grad_accum_steps(cfg.train.global_batch, mb, world)  # raises with valid values when it does not divide
+    plan["micro_batch"] = mb
+    plan["reason"] = "configured"
+    return plan
+
+
+def _plan_text(plan: dict) -> str | None:
+    return plan.get("text")
+
+
+def _check_bad_fraction(bad: dict, n: int, limit: float) -> None:
+    if len(bad) > limit * n:
+        files = "\n  ".join(sorted(bad)[:50])
+        raise VramfitError(
+            f"{len(bad)} unreadable images out of {n} (more than data.max_bad_fraction={limit:.1%}):\n  {files}",
+            hint="fix or remove these files (`vramfit scan-data --data SRC` lists all), or raise "
+                 "--set data.max_bad_fraction=...")
+
+
+def _agree_stop(signum: int, acc) -> int:
+    if acc.num_processes == 1:
+        return signum
+    import torch.distributed as dist
+
+    t = torch.tensor([signum], device=acc.device, dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _sync_bn(acc, model) -> None:
+    if acc.num_processes > 1:
+        from timm.utils import distribute_bn
+
+        distribute_bn(model, acc.num_processes, reduce=True)
+
+
+def _save(acc, model, ckpt_dir: Path, st: dict, cfg: Config) -> None:
+    _sync_bn(acc, model)
+    keep = (st["best_step"],) if st.get("best_step") is not None else ()
+    checkpoint.save(acc, ckpt_dir, st["global_step"], dict(st), cfg.checkpoint.keep_last, keep)
+
+
+def _fingerprint(cfg: Config) -> dict:
+    """What a resumed run must share with the run it continues (the maths of the optimisation)."""
+    return {"model": cfg.model.name, "image_size": cfg.data.image_size, "source": cfg.data.source,
+            "global_batch": cfg.train.global_batch, "optimizer": cfg.optim.name, "lr": cfg.optim.lr,
+            "seed": cfg.train.seed}
+
+
+def _check_resume_compatible(cfg: Config, state: dict, world: int) -> None:
+    old = state.get("fingerprint", {})
+    new = _fingerprint(cfg)
+    diffs = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k]]
+    if diffs:
+        raise VramfitError("Cannot resume: the config changed in ways that change the run (" +
+                           "; ".join(diffs) + ").",
+                           hint="restore those settings, or start a new run with another --run-name")
+    if state.get("world_size") not in (None, world):
+        log.warning("resuming with %d processes (checkpoint written with %d): the global batch and "
+                    "sample order are unchanged, but random states are per process", world,
+                    state["world_size"])
+
+
+def _nonfinite_error(e, st: dict, batch, ckpt_dir: Path, what: str = "loss") -> VramfitError:
+    last = checkpoint.latest(ckpt_dir)
+    ids = batch.indices.tolist()
+    return VramfitError(
+        f"Non-finite {what} ({e.value}) at global step {st['global_step'] + 1} (epoch {st['epoch']}); "
+        f"the update was not applied. Sample ids of this process's batch: {ids[:64]}"
+        f"{' ...' if len(ids) > 64 else ''}. Last good checkpoint: {last or 'none'}.",
+        hint="lower --lr, keep clip_grad_norm on, or try --precision bf16 / no; resume from the "
+             "checkpoint with --resume auto", exit_code=4)
+
+
+def _dump_memory(run_dir: Path, acc) -> None:
+    if acc.is_main_process and torch.cuda.is_available():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "memory_summary.txt").write_text(torch.cuda.memory_summary(acc.device))
+
+
+def _wandb_id(run_dir: Path) -> str:
+    import hashlib
+
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
+
+
+def _progress(main: bool, total: int, epoch: int, epochs: int):
+    if not main:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", dynamic_ncols=True, leave=False,
+                disable=not sys.stderr.isatty() and os.environ.get("VRAMFIT_PROGRESS") != "1")
