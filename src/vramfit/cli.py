@@ -134,3 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\nvramfit: interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

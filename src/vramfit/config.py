@@ -115,6 +115,8 @@ class DebugConfig(Section):
     simulate_oom_above: int | None = None
     # Only this process rank simulates (None: every rank), to test that ranks agree before retrying.
     simulate_oom_rank: int | None = None
+    # Behave as if SIGTERM arrived right after this global step (tests interruption and resume).
+    signal_at_step: int | None = None
 
 
 class Config(Section):

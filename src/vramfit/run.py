@@ -97,6 +97,7 @@ def train(cfg: Config) -> dict:
     use_wandb = cfg.tracking.tracker == "wandb"
     acc = Accelerator(
         mixed_precision=precision,
+        cpu=device_type == "cpu",  # without it Accelerate ignores a torchrun world on CPU
         log_with="wandb" if use_wandb else None,
         # Buffers are not broadcast in forward: that would be a collective inside each micro-batch,
         # where a rank that ran out of memory could no longer join. BN statistics are averaged
@@ -290,6 +291,8 @@ def train(cfg: Config) -> dict:
                                 "images_per_second": total_train_samples / max(total_train_time, 1e-9),
                                 "data_wait_fraction": data_wait / max(total_train_time, 1e-9),
                                 **_memory_figures(acc.device)}, st["global_step"])
+                if cfg.debug.signal_at_step == st["global_step"]:
+                    flag.signum = signal.SIGTERM
                 stop = _agree_stop(flag.signum, acc)
                 every = cfg.checkpoint.every_steps
                 if stop or (every and st["global_step"] % every == 0):
@@ -369,6 +372,12 @@ def _choose_micro_batch(cfg: Config, num_classes: int, per_proc: int, world: int
     if mb == "auto":
         from .memory import auto_micro_batch
         plan.update(auto_micro_batch(cfg, num_classes, per_proc))
+        return plan
+    if mb > per_proc:
+        # A recipe's micro-batch is what fits the card; with more processes each one holds fewer
+        # samples, so the same recipe runs unchanged on 8 GPUs with the whole share at once.
+        plan["micro_batch"] = per_proc
+        plan["reason"] = f"configured {mb} > per-process batch {per_proc}: whole share at once"
         return plan
     grad_accum_steps(cfg.train.global_batch, mb, world)  # raises with valid values when it does not divide
     plan["micro_batch"] = mb

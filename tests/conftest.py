@@ -1,0 +1,52 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Nothing may come from a hub during tests; the built-in dataset is written under a test cache.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def train_cli(tmp_path):
+    """Run `vramfit train` in-process; returns (run_dir, exit_code)."""
+    from vramfit.cli import run
+
+    def _run(*args, run_name="t", output=None):
+        out = Path(output or tmp_path / "runs")
+        argv = ["train", "--output", str(out), "--run-name", run_name, *args]
+        try:
+            code = run(argv)
+        except SystemExit as e:
+            code = e.code
+        return out / run_name, code
+
+    return _run
+
+
+def tiny_args(*extra):
+    """A seeded tiny run on the built-in digits: test_resnet at 32 px, no workers."""
+    return ["--data", "digits", "--model", "test_resnet", "--image-size", "32", "--global-batch", "16",
+            "--epochs", "1", "--set", "data.num_workers=0", "--set", "data.hflip=0",
+            "--set", "data.val_fraction=0.2", *extra]
+
+
+def python_cmd():
+    return [sys.executable]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator (precision, cpu) as a new process would."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()

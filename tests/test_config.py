@@ -1,0 +1,97 @@
+"""Recipes, accelerate configs, precedence, strictness and the batch arithmetic."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vramfit.config import Config, build_config, grad_accum_steps, per_process_batch
+from vramfit.errors import VramfitError
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+ACCEL = sorted((REPO / "accel_configs").glob("*.yaml"))
+
+
+def test_recipes_and_configs_exist():
+    names = {p.stem for p in RECIPES}
+    assert {"quickstart", "rtx3060"} <= names
+    assert {"cpu", "single_gpu", "multi_gpu"} <= {p.stem for p in ACCEL}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_parses_and_has_header(path):
+    cfg = build_config(str(path))
+    assert isinstance(cfg, Config)
+    head = path.read_text().splitlines()[:6]
+    assert any("launch" in line.lower() or "accelerate" in line.lower() for line in head), \
+        "a recipe's header comment names its launch command"
+    # A recipe states only what differs from the defaults.
+    defaults = Config().model_dump(mode="json")
+    raw = yaml.safe_load(path.read_text())
+    for section, values in raw.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                if (section, k) in {("model", "name"), ("data", "source"), ("train", "global_batch")}:
+                    continue  # what a recipe trains, on what data, at what batch: always stated
+                assert defaults[section][k] != (list(v) if isinstance(v, tuple) else v), \
+                    f"{path.stem}: {section}.{k} repeats the default"
+
+
+@pytest.mark.parametrize("path", ACCEL, ids=lambda p: p.stem)
+def test_every_accelerate_config_loads(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(path))
+    assert cfg.num_processes >= 1
+    assert cfg.mixed_precision == "no"  # precision belongs to the recipe
+
+
+def test_by_name_or_path_and_precedence(tmp_path):
+    cfg = build_config("quickstart")
+    assert cfg.data.source == "digits" and cfg.model.name == "resnet18"
+    cfg = build_config(str(REPO / "recipes" / "quickstart.yaml"), sets=["optim.lr=0.5", "train.epochs=3"],
+                       flags={"optim.lr": 0.25})
+    assert cfg.optim.lr == 0.25  # flag beats --set
+    assert cfg.train.epochs == 3  # --set beats recipe
+    assert cfg.train.label_smoothing == 0.0  # recipe beats default
+    assert cfg.optim.name == "adamw"  # default
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(VramfitError) as e:
+        build_config("quickstart", sets=["train.global_bacth=32"])
+    assert "train.global_bacth" in str(e.value) and "train.global_batch" in str(e.value)
+    with pytest.raises(VramfitError) as e:
+        build_config(None, sets=["optimizer.lr=1"])
+    assert "optim" in str(e.value)
+
+
+def test_unknown_recipe_suggests():
+    with pytest.raises(VramfitError) as e:
+        build_config("rtx306")
+    assert "rtx3060" in str(e.value)
+
+
+def test_bad_values_are_explained():
+    with pytest.raises(VramfitError) as e:
+        build_config(None, sets=["train.precision=fp8"])
+    assert "train.precision" in str(e.value)
+
+
+def test_batch_arithmetic():
+    assert grad_accum_steps(128, 16, 1) == 8
+    assert grad_accum_steps(128, 16, 8) == 1
+    assert grad_accum_steps(128, 64, 2) == 1
+    with pytest.raises(VramfitError) as e:
+        grad_accum_steps(64, 12, 1)
+    msg = str(e.value)
+    assert "micro_batch 12" in msg and "16" in msg and "8" in msg  # nearest valid values
+    with pytest.raises(VramfitError) as e:
+        per_process_batch(30, 4)
+    assert "28" in str(e.value) and "32" in str(e.value)
+
+
+def test_config_yaml_roundtrip():
+    cfg = build_config("rtx3060")
+    again = Config.model_validate(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg

@@ -1,0 +1,83 @@
+"""The optimizer step: batch splits give the same maths; an OOM only changes the split."""
+import copy
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from vramfit.config import ModelConfig, OptimConfig
+from vramfit.engine import MicroBatchExhausted, StepState, train_step
+from vramfit.models import create_model
+from vramfit.optim import create_optimizer
+
+
+def _setup(opt="adamw", seed=0):
+    torch.manual_seed(seed)
+    model = create_model(ModelConfig(name="test_resnet", bn="freeze"), num_classes=5, load_weights=False)
+    return model, OptimConfig(name=opt, lr=1e-3 if opt == "adamw" else 0.05, weight_decay=0.05)
+
+
+def _data(steps, batch, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 5, (batch,), generator=g))
+            for _ in range(steps)]
+
+
+def _train(model, ocfg, batches, micro, oom_above=None):
+    acc = Accelerator(cpu=True)
+    model = copy.deepcopy(model)
+    if oom_above is not None:
+        def hook(_m, args):
+            if args[0].shape[0] > oom_above:
+                raise torch.OutOfMemoryError("simulated")
+        model.register_forward_pre_hook(hook)
+    opt = create_optimizer(model, ocfg)
+    model, opt = acc.prepare(model, opt)
+    state = StepState(micro_batch=micro, per_process_batch=batches[0][0].shape[0])
+    losses = []
+    for x, y in batches:
+        r = train_step(acc, model, opt, x, y, x.shape[0], state, label_smoothing=0.1, clip_grad_norm=1.0)
+        losses.append(r.loss)
+    return acc.unwrap_model(model), losses, state
+
+
+def _max_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_batch_splits_give_same_weights(opt):
+    model, ocfg = _setup(opt)
+    batches = _data(3, 16)
+    ref, ref_losses, _ = _train(model, ocfg, batches, micro=16)
+    for micro in (4, 5, 1):  # 4 x 4; 5 + 5 + 5 + 1 (uneven); 16 x 1
+        got, losses, _ = _train(model, ocfg, batches, micro=micro)
+        assert _max_diff(ref, got) <= 1e-6, f"micro {micro}"
+        assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert _max_diff(ref, model) > 1e-4  # it did train
+
+
+def test_short_last_batch_is_weighted_by_samples():
+    """A 10-sample batch in micro-batches of 4 (4+4+2) gives the mean over 10, not over 3 chunks."""
+    model, ocfg = _setup("sgd")
+    batches = _data(1, 10)
+    ref, _, _ = _train(model, ocfg, batches, micro=10)
+    got, _, _ = _train(model, ocfg, batches, micro=4)
+    assert _max_diff(ref, got) <= 1e-6
+
+
+def test_oom_recovery_keeps_the_maths():
+    model, ocfg = _setup("adamw")
+    batches = _data(3, 32)
+    ref, ref_losses, _ = _train(model, ocfg, batches, micro=8)
+    got, losses, state = _train(model, ocfg, batches, micro=32, oom_above=8)
+    assert state.micro_batch == 8 and state.oom_retries == 2  # 32 -> 16 -> 8, then it stays
+    assert [h["to"] for h in state.history] == [16, 8]
+    assert _max_diff(ref, got) <= 1e-6
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+def test_oom_at_micro_batch_one_is_an_error():
+    model, ocfg = _setup("sgd")
+    with pytest.raises(MicroBatchExhausted):
+        _train(model, ocfg, _data(1, 4), micro=4, oom_above=0)
