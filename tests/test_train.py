@@ -95,7 +95,7 @@ def _weights(run_dir):
     return load_file(ckpt / "model.safetensors")
 
 
-@pytest.mark.parametrize("stop_at", [30, 72])  # mid-epoch; exactly at the end of epoch 1 (72 steps)
+@pytest.mark.parametrize("stop_at", [30, 90])  # mid-epoch; the last step of epoch 1 (1437 images / 16 = 90 steps)
 def test_interrupted_and_resumed_run_is_bitwise_identical(train_cli, tmp_path, stop_at):
     args = tiny_args("--epochs", "2", "--set", "train.log_every_steps=1")
     ref_dir, code = train_cli(*args, run_name="ref")

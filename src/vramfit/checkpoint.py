@@ -15,6 +15,11 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import VramfitError
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
@@ -39,7 +44,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int,
-         keep_steps: tuple[int, ...] = ()) -> Path:
+         keep_steps: tuple[int, ...] = (), extra: dict | None = None) -> Path:
     """Collective: every process calls it. Returns the final folder."""
     root = Path(root)
     tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
@@ -52,6 +57,8 @@ def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
+        for name, tensors in (extra or {}).items():  # e.g. EMA weights: safetensors, no pickle
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / f"{name}.safetensors")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         sums = {str(p.relative_to(tmp)): _sha256(p) for p in files}
         for p in files:  # data on disk before the marker that vouches for it
@@ -117,3 +124,29 @@ def prune(root: Path, keep_last: int, keep_steps: tuple[int, ...] = ()) -> None:
 
 def read_state(path: Path) -> dict:
     return json.loads((Path(path) / STATE).read_text())
+
+
+def load_extra(path: Path, name: str, module: torch.nn.Module) -> None:
+    f = Path(path) / f"{name}.safetensors"
+    if not f.is_file():
+        raise VramfitError(f"Checkpoint {path} has no {name} state ({f.name}), but this run uses it.",
+                           hint=f"resume with the settings the checkpoint was written with")
+    module.load_state_dict(load_file(f))
+
+
+def verify_rng_restored(path: Path, rank: int) -> None:
+    """Accelerate logs and carries on when random states cannot be loaded; for an exact resume that
+    is an error. Compare the live CPU generator with what the checkpoint holds (weights_only load)."""
+    from accelerate.utils import load
+
+    f = Path(path) / f"random_states_{rank}.pkl"
+    try:
+        saved = load(f)["torch_manual_seed"]
+    except Exception as e:  # noqa: BLE001
+        raise VramfitError(f"Could not restore the random state of process {rank} from {f}: "
+                           f"{type(e).__name__}: {e}",
+                           hint="the checkpoint is incomplete or from another process count; resume from "
+                                "another checkpoint, or start a new run") from None
+    if not torch.equal(saved, torch.get_rng_state()):
+        raise VramfitError(f"The random state of process {rank} was not restored from {f}.",
+                           hint="resume from another checkpoint, or start a new run")

@@ -35,6 +35,9 @@ class ModelConfig(Section):
     bn: Literal["train", "freeze"] = "train"
     # Names (prefixes) of parameters to freeze, e.g. ["conv1", "bn1", "layer1"].
     freeze: list[str] = Field(default_factory=list)
+    # Exponential moving average of the weights (timm ModelEmaV3, with decay warmup); evaluated and
+    # exported instead of the raw weights when set. Typical: 0.999 for fine-tuning.
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
 
 
 class DataConfig(Section):
@@ -71,6 +74,8 @@ class TrainConfig(Section):
     clip_grad_norm: float | None = 1.0
     seed: int = 0
     log_every_steps: int = Field(10, ge=1)
+    # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
+    max_consecutive_skipped_steps: int = Field(25, ge=1)
 
     @field_validator("micro_batch")
     @classmethod
@@ -113,8 +118,10 @@ class HardwareConfig(Section):
 class DebugConfig(Section):
     # Any forward with more than N samples raises torch.OutOfMemoryError (tests the OOM path on CPU).
     simulate_oom_above: int | None = None
-    # Only this process rank simulates (None: every rank), to test that ranks agree before retrying.
-    simulate_oom_rank: int | None = None
+    # Make the loss NaN at this global step (tests that the update is refused before it happens).
+    nan_at_step: int | None = None
+    # Only this process rank injects the faults above (None: every rank): ranks must still agree.
+    fault_rank: int | None = None
     # Behave as if SIGTERM arrived right after this global step (tests interruption and resume).
     signal_at_step: int | None = None
 
@@ -134,6 +141,8 @@ class Config(Section):
     # `auto`: continue from the newest complete checkpoint of this run if there is one.
     # `never`: refuse to reuse an existing run folder. Or a path to a checkpoint folder.
     resume: str = "auto"
+    # Allow resuming with another process count or a changed model/data/batch/optimizer/seed.
+    allow_resume_change: bool = False
 
     @model_validator(mode="after")
     def _check(self):

@@ -79,7 +79,8 @@ def _micro_chunks(n: int, micro: int):
 
 
 def train_step(accelerator, model, optimizer, images, labels, step_samples: int, state: StepState,
-               *, label_smoothing: float, clip_grad_norm: float | None, loss_fn=None) -> StepResult:
+               *, label_smoothing: float, clip_grad_norm: float | None, loss_fn=None,
+               check_grad_norm: bool = True) -> StepResult:
     """Forward/backward the process's share in micro-batches, agree, reduce, clip, step.
 
     Each micro-batch loss is a SUM over its samples divided by the samples of the whole optimizer
@@ -97,11 +98,7 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
                 for s, e in _micro_chunks(n, state.micro_batch):
                     x, y = images[s:e], labels[s:e]
                     logits = model(x)
-                    if loss_fn is not None:
-                        loss = loss_fn(logits, y)
-                    else:
-                        loss = F.cross_entropy(logits.float(), y, reduction="sum",
-                                               label_smoothing=label_smoothing)
+                    loss = (loss_fn or _loss)(logits, y, label_smoothing)
                     accelerator.backward(loss / step_samples)
                     loss_sum += loss.detach()
                     correct += int((logits.detach().argmax(1) == y).sum())
@@ -125,9 +122,12 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
         break
 
     allreduce_grads(params)
-    grad_norm = None
-    if clip_grad_norm:
-        grad_norm = float(accelerator.clip_grad_norm_(params, clip_grad_norm))
+    # The norm is computed even without clipping: it is logged, and a non-finite one (bf16/fp32;
+    # fp16's GradScaler handles its own) must stop the run before the update, not after.
+    grad_norm = float(accelerator.clip_grad_norm_(params, clip_grad_norm or float("inf")))
+    if check_grad_norm and not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLoss(grad_norm, "gradient norm")
     optimizer.step()
     skipped = bool(getattr(optimizer, "step_was_skipped", False))
     optimizer.zero_grad(set_to_none=True)
@@ -138,10 +138,15 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
                       grad_norm=grad_norm, skipped=skipped)
 
 
+def _loss(logits, y, label_smoothing: float):
+    # A SUM over the micro-batch; the caller divides by the samples of the whole optimizer batch.
+    return F.cross_entropy(logits.float(), y, reduction="sum", label_smoothing=label_smoothing)
+
+
 class NonFiniteLoss(Exception):
-    def __init__(self, value: float):
-        super().__init__(f"non-finite loss {value}")
-        self.value = value
+    def __init__(self, value: float, what: str = "loss"):
+        super().__init__(f"non-finite {what} {value}")
+        self.value, self.what = value, what
 
 
 def _sum_over_processes(t: torch.Tensor) -> torch.Tensor:

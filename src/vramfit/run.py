@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
@@ -163,7 +162,7 @@ def train(cfg: Config) -> dict:
     data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
     if cfg.debug.simulate_oom_above is not None:
         model.register_forward_pre_hook(_simulate_oom(cfg.debug.simulate_oom_above,
-                                                      cfg.debug.simulate_oom_rank, rank))
+                                                      cfg.debug.fault_rank, rank))
 
     # ---------------------------------------------------------------- batch arithmetic
     per_proc = per_process_batch(cfg.train.global_batch, world)
@@ -180,8 +179,14 @@ def train(cfg: Config) -> dict:
     optimizer = create_optimizer(model, cfg.optim)
     scheduler = create_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs)
     model, optimizer = acc.prepare(model, optimizer)
-    # The scheduler is not prepared: Accelerate would step it once per process.
-    acc.register_for_checkpointing(scheduler)
+    # The scheduler is neither prepared (Accelerate would step it once per process) nor saved: the
+    # LR is a pure function of the global step, restored by `step_update` on resume.
+    ema = None
+    if cfg.model.ema_decay:
+        from timm.utils import ModelEmaV3
+
+        ema = ModelEmaV3(acc.unwrap_model(model), decay=cfg.model.ema_decay, use_warmup=True)
+    set_seed(cfg.train.seed + rank)  # per-process streams for dropout / drop-path from here on
 
     # ---------------------------------------------------------------- loaders
     train_tf, val_tf = D.build_transforms(cfg.data, data_cfg)
@@ -194,6 +199,7 @@ def train(cfg: Config) -> dict:
     val_ds = D.ImageDataset(splits.val, splits.image_column, splits.label_column, val_tf,
                             cfg.data.image_size, cfg.train.seed, train=False)
     eval_batch = cfg.train.eval_batch or max(micro, min(per_proc, 256))
+    eval_micro = [eval_batch]  # shrinks on an evaluation OOM and stays shrunk
     val_loader = acc.prepare_data_loader(D.make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))
     normalize = D.normalizer(data_cfg, acc.device, cfg.model.channels_last)
 
@@ -205,7 +211,15 @@ def train(cfg: Config) -> dict:
           "fingerprint": _fingerprint(cfg)}
     if resume_from:
         acc.load_state(str(resume_from))
-        st.update({k: v for k, v in resumed_state.items() if k in st and k not in ("micro_batch",)})
+        checkpoint.verify_rng_restored(resume_from, rank)
+        if ema is not None:
+            checkpoint.load_extra(resume_from, "ema", ema.module)
+        st.update({k: v for k, v in resumed_state.items() if k in st and k not in ("micro_batch", "world_size")})
+        for key in ("epoch", "step_in_epoch", "global_step"):
+            if not isinstance(resumed_state.get(key), int):
+                raise VramfitError(f"Checkpoint {resume_from} has no valid `{key}`: the data position "
+                                   "cannot be restored.", hint="resume from another checkpoint (--resume PATH)")
+        scheduler.step_update(num_updates=st["global_step"])
         if main:
             log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", resume_from,
                      st["epoch"], st["step_in_epoch"], st["global_step"])
@@ -239,6 +253,7 @@ def train(cfg: Config) -> dict:
     bad_files: dict[str, int] = {}
     total_train_time, total_train_samples, data_wait = 0.0, 0, 0.0
     exit_signal = 0
+    consecutive_skips = 0
     try:
         for epoch in range(st["epoch"], cfg.train.epochs):
             sampler.set_epoch(epoch, st["step_in_epoch"] if epoch == st["epoch"] else 0)
@@ -261,15 +276,24 @@ def train(cfg: Config) -> dict:
                 try:
                     res = train_step(acc, model, optimizer, images, labels, batch.step_samples, step_state,
                                      label_smoothing=cfg.train.label_smoothing,
-                                     clip_grad_norm=cfg.train.clip_grad_norm)
+                                     clip_grad_norm=cfg.train.clip_grad_norm,
+                                     check_grad_norm=precision != "fp16",
+                                     loss_fn=_nan_injector(cfg, st["global_step"] + 1, rank))
                 except MicroBatchExhausted:
                     _dump_memory(run_dir, acc)
                     raise oom_message(step_state, _plan_text(plan)) from None
                 except NonFiniteLoss as e:
                     raise _nonfinite_error(e, st, batch, ckpt_dir) from None
-                if res.grad_norm is not None and not math.isfinite(res.grad_norm) and precision != "fp16":
-                    raise _nonfinite_error(NonFiniteLoss(res.grad_norm), st, batch, ckpt_dir, "gradient norm")
                 st["skipped_steps"] += int(res.skipped)
+                consecutive_skips = consecutive_skips + 1 if res.skipped else 0
+                if consecutive_skips >= cfg.train.max_consecutive_skipped_steps:
+                    raise VramfitError(
+                        f"fp16: {consecutive_skips} optimizer steps in a row were skipped for inf/NaN "
+                        f"gradients (global step {st['global_step']}): the run has diverged.",
+                        hint="use --precision bf16 (no loss scaling) or lower --lr; resume from the last "
+                             f"checkpoint in {ckpt_dir}", exit_code=4)
+                if ema is not None:
+                    ema.update(acc.unwrap_model(model), step=st["global_step"] + 1)
                 st["global_step"] += 1
                 st["step_in_epoch"] += 1
                 st["samples_seen"] += res.samples
@@ -296,7 +320,7 @@ def train(cfg: Config) -> dict:
                 stop = _agree_stop(flag.signum, acc)
                 every = cfg.checkpoint.every_steps
                 if stop or (every and st["global_step"] % every == 0):
-                    _save(acc, model, ckpt_dir, st, cfg)
+                    _save(acc, model, ckpt_dir, st, cfg, ema)
                 if stop:
                     exit_signal = stop
                     break
@@ -307,7 +331,8 @@ def train(cfg: Config) -> dict:
                 break
             # ---- end of epoch: evaluate, keep the best weights, checkpoint
             _sync_bn(acc, model)
-            metrics = evaluate(acc, model, val_loader, num_classes, [eval_batch], normalize)
+            eval_model = ema.module if ema is not None else model
+            metrics = evaluate(acc, eval_model, val_loader, num_classes, eval_micro, normalize)
             unreadable_val = metrics.pop("unreadable")
             st["final_accuracy"] = metrics["accuracy"]
             st["epoch"], st["step_in_epoch"] = epoch + 1, 0
@@ -315,7 +340,7 @@ def train(cfg: Config) -> dict:
             if improved:
                 st["best_accuracy"], st["best_step"] = metrics["accuracy"], st["global_step"]
                 if main:
-                    export(acc.unwrap_model(model), run_dir / "model", splits.class_names, data_cfg)
+                    export(acc.unwrap_model(eval_model), run_dir / "model", splits.class_names, data_cfg)
             runlog.log({"kind": "eval", "epoch": epoch + 1, "val_loss": metrics["loss"],
                         "val_accuracy": metrics["accuracy"], "val_top5": metrics["top5"],
                         "val_samples": metrics["samples"], "val_unreadable": len(unreadable_val),
@@ -325,7 +350,7 @@ def train(cfg: Config) -> dict:
                          epoch + 1, cfg.train.epochs, metrics["accuracy"], metrics["top5"],
                          metrics["samples"], metrics["loss"], " (best)" if improved else "")
             st["finished"] = epoch + 1 == cfg.train.epochs
-            _save(acc, model, ckpt_dir, st, cfg)
+            _save(acc, model, ckpt_dir, st, cfg, ema)
             if _agree_stop(flag.signum, acc):
                 exit_signal = flag.signum or signal.SIGTERM
                 break
@@ -415,10 +440,21 @@ def _sync_bn(acc, model) -> None:
         distribute_bn(model, acc.num_processes, reduce=True)
 
 
-def _save(acc, model, ckpt_dir: Path, st: dict, cfg: Config) -> None:
+def _save(acc, model, ckpt_dir: Path, st: dict, cfg: Config, ema=None) -> None:
     _sync_bn(acc, model)
     keep = (st["best_step"],) if st.get("best_step") is not None else ()
-    checkpoint.save(acc, ckpt_dir, st["global_step"], dict(st), cfg.checkpoint.keep_last, keep)
+    extra = {"ema": ema.module.state_dict()} if ema is not None else {}
+    checkpoint.save(acc, ckpt_dir, st["global_step"], dict(st), cfg.checkpoint.keep_last, keep, extra)
+
+
+def _nan_injector(cfg: Config, step: int, rank: int):
+    if cfg.debug.nan_at_step != step or cfg.debug.fault_rank not in (None, rank):
+        return None
+    from .engine import _loss
+
+    def loss_fn(logits, y, label_smoothing):
+        return _loss(logits, y, label_smoothing) * float("nan")
+    return loss_fn
 
 
 def _fingerprint(cfg: Config) -> dict:
@@ -432,21 +468,29 @@ def _check_resume_compatible(cfg: Config, state: dict, world: int) -> None:
     old = state.get("fingerprint", {})
     new = _fingerprint(cfg)
     diffs = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k]]
-    if diffs:
+    if diffs and cfg.allow_resume_change:
+        log.warning("resuming despite changed settings (%s): --set allow_resume_change=true", "; ".join(diffs))
+    elif diffs:
         raise VramfitError("Cannot resume: the config changed in ways that change the run (" +
                            "; ".join(diffs) + ").",
-                           hint="restore those settings, or start a new run with another --run-name")
+                           hint="restore those settings, start a new run with another --run-name, or "
+                                "accept the change with --set allow_resume_change=true")
     if state.get("world_size") not in (None, world):
-        log.warning("resuming with %d processes (checkpoint written with %d): the global batch and "
-                    "sample order are unchanged, but random states are per process", world,
-                    state["world_size"])
+        msg = (f"the checkpoint was written by {state['world_size']} process(es), this run has {world}: "
+               "the global batch and sample order would be unchanged, but per-process random "
+               "states cannot be carried over, so the result would not be bitwise identical")
+        if not cfg.allow_resume_change:
+            raise VramfitError(f"Cannot resume: {msg}.",
+                               hint=f"launch with {state['world_size']} process(es), or accept it with "
+                                    "--set allow_resume_change=true")
+        log.warning("resuming anyway: %s", msg)
 
 
-def _nonfinite_error(e, st: dict, batch, ckpt_dir: Path, what: str = "loss") -> VramfitError:
+def _nonfinite_error(e, st: dict, batch, ckpt_dir: Path) -> VramfitError:
     last = checkpoint.latest(ckpt_dir)
     ids = batch.indices.tolist()
     return VramfitError(
-        f"Non-finite {what} ({e.value}) at global step {st['global_step'] + 1} (epoch {st['epoch']}); "
+        f"Non-finite {e.what} ({e.value}) at global step {st['global_step'] + 1} (epoch {st['epoch']}); "
         f"the update was not applied. Sample ids of this process's batch: {ids[:64]}"
         f"{' ...' if len(ids) > 64 else ''}. Last good checkpoint: {last or 'none'}.",
         hint="lower --lr, keep clip_grad_norm on, or try --precision bf16 / no; resume from the "

@@ -1,0 +1,176 @@
+"""Nothing is lost: exact resume (and its negative control), atomic saves under SIGKILL, real signals,
+non-finite losses, refused resumes, and secrets that never reach the run folder."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, tiny_args
+from vramfit import checkpoint
+
+
+def _weights(run_dir):
+    steps = checkpoint.list_steps(run_dir / "checkpoints")
+    return load_file(steps[-1][1] / "model.safetensors")
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _losses(run_dir):
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"]
+
+
+ARGS = tiny_args("--epochs", "2", "--set", "train.log_every_steps=1", "--set", "model.drop_rate=0.2")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every resumed run must reproduce bit for bit."""
+    from vramfit.cli import run
+
+    out = tmp_path_factory.mktemp("ref")
+    try:
+        run(["train", *ARGS, "--output", str(out), "--run-name", "ref"])
+    except SystemExit as e:
+        assert e.code == 0
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    AcceleratorState._reset_state(True); GradientState._reset_state(); PartialState._reset_state()
+    return out / "ref"
+
+
+def test_two_interruptions_in_one_epoch(train_cli, reference):
+    for stop in (20, 50):
+        run_dir, code = train_cli(*ARGS, "--set", f"debug.signal_at_step={stop}", run_name="cut")
+        assert code == 143
+    run_dir, code = train_cli(*ARGS, run_name="cut")
+    assert code == 0
+    assert _same(_weights(reference), _weights(run_dir))
+    assert _losses(run_dir) == _losses(reference)
+
+
+def test_negative_control_detects_a_lost_data_position(train_cli, reference, monkeypatch):
+    run_dir, code = train_cli(*ARGS, "--set", "debug.signal_at_step=30", run_name="lost")
+    assert code == 143
+    from vramfit import data
+
+    original = data.StepBatchSampler.set_epoch
+    monkeypatch.setattr(data.StepBatchSampler, "set_epoch",
+                        lambda self, epoch, start_step=0: original(self, epoch, 0))  # forget the position
+    run_dir, code = train_cli(*ARGS, run_name="lost")
+    assert code == 0
+    assert not _same(_weights(reference), _weights(run_dir))
+
+
+def test_damaged_newest_checkpoint_is_skipped(train_cli, caplog):
+    args = tiny_args("--set", "checkpoint.every_steps=10", "--set", "checkpoint.keep_last=3")
+    run_dir, code = train_cli(*args, "--set", "debug.signal_at_step=30", run_name="dmg")
+    assert code == 143
+    steps = checkpoint.list_steps(run_dir / "checkpoints")
+    assert [s for s, _ in steps] == [10, 20, 30]
+    (steps[-1][1] / "model.safetensors").write_bytes(b"garbage")  # damaged after the fact
+    (run_dir / "checkpoints" / ".tmp-step-40").mkdir()  # a save that never finished
+    assert checkpoint.latest(run_dir / "checkpoints") == steps[-2][1]
+    run_dir, code = train_cli(*args, run_name="dmg")
+    assert code == 0
+    assert not (run_dir / "checkpoints" / ".tmp-step-40").exists()
+    assert "skipping damaged checkpoint" in caplog.text
+    state = json.loads((run_dir / "summary.json").read_text())
+    assert state["finished"]
+
+
+def test_injected_nan_stops_before_the_update(train_cli, capsys):
+    from vramfit.errors import VramfitError
+
+    with pytest.raises(VramfitError) as e:
+        train_cli(*tiny_args("--set", "checkpoint.every_steps=2", "--set", "debug.nan_at_step=3"), run_name="nan")
+    msg = str(e.value)
+    assert "Non-finite loss" in msg and "global step 3" in msg and "step-2" in msg and "Sample ids" in msg
+    assert e.value.exit_code == 4
+
+
+def test_structural_change_is_refused(train_cli):
+    from vramfit.errors import VramfitError
+
+    run_dir, code = train_cli(*tiny_args("--set", "debug.signal_at_step=5"), run_name="chg")
+    assert code == 143
+    with pytest.raises(VramfitError) as e:
+        train_cli(*tiny_args("--lr", "0.5"), run_name="chg")
+    assert "lr" in str(e.value) and "allow_resume_change" in str(e.value)
+    run_dir, code = train_cli(*tiny_args("--lr", "0.5", "--set", "allow_resume_change=true"), run_name="chg")
+    assert code == 0
+
+
+KILL_DURING_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    from vramfit import checkpoint
+    real = checkpoint._sha256
+    def killer(path):
+        if ".tmp-step-20" in str(path):  # half-way through writing the second checkpoint
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path)
+    checkpoint._sha256 = killer
+    from vramfit.cli import main
+    main(sys.argv[1:])
+""")
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
+    args = ["train", *tiny_args("--set", "checkpoint.every_steps=10"), "--output", str(tmp_path), "--run-name", "k"]
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    ckpts = tmp_path / "k" / "checkpoints"
+    assert (ckpts / ".tmp-step-20").exists()
+    assert checkpoint.latest(ckpts) == ckpts / "step-10" and checkpoint.is_complete(ckpts / "step-10")
+    proc = subprocess.run([sys.executable, "-m", "vramfit.cli", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Resumed from" in proc.stderr and "step-10" in proc.stderr
+
+
+def test_real_sigterm_with_workers_saves_and_resumes_exactly(tmp_path):
+    args = ["train", *tiny_args("--epochs", "2", "--set", "train.log_every_steps=1", "--set", "data.num_workers=2"),
+            "--output", str(tmp_path)]
+    cmd = [sys.executable, "-m", "vramfit.cli"]
+    ref = subprocess.run(cmd + args + ["--run-name", "ref"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    proc = subprocess.Popen(cmd + args + ["--run-name", "sig"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "sig" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 25):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # mid-epoch 1 (90 steps per epoch)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    saved = checkpoint.latest(tmp_path / "sig" / "checkpoints")
+    assert saved is not None and 25 <= checkpoint.read_state(saved)["global_step"] < 90
+    again = subprocess.run(cmd + args + ["--run-name", "sig"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _same(_weights(tmp_path / "ref"), _weights(tmp_path / "sig"))
+
+
+def test_secrets_never_reach_the_run_folder(tmp_path):
+    pytest.importorskip("wandb")
+    sentinel = "sentinel-3f9a1c7e5b2d4a6f8e0c1b3d5f7a9c2e4b6d8f0a"
+    env = {**os.environ, "WANDB_API_KEY": sentinel, "WANDB_MODE": "offline", "HF_TOKEN": sentinel + "hf"}
+    args = ["train", *tiny_args("--tracker", "wandb"), "--output", str(tmp_path), "--run-name", "w"]
+    proc = subprocess.run([sys.executable, "-m", "vramfit.cli", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = [p for p in (tmp_path / "w").rglob("*") if p.is_file()]
+    assert any("wandb" in str(p) for p in files), "the offline W&B run is inside the run folder"
+    for p in files:
+        assert sentinel.encode() not in p.read_bytes(), p
+    assert sentinel not in proc.stderr and sentinel not in proc.stdout
