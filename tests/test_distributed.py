@@ -73,3 +73,37 @@ def test_oom_on_one_rank_recovers_on_all(folder, tmp_path):
     s = json.loads((got / "summary.json").read_text())
     assert s["micro_batch"] == 4 and s["oom_retries"] == 1
     assert _close(_final(ref), _final(got))
+
+
+def test_no_gradient_allreduce_inside_micro_batches(tmp_path):
+    """4 micro-batches per process per step: DDP's reducer never fires (gradients are reduced once,
+    after all processes agree the step succeeded), and the result equals one process on the batch."""
+    out = tmp_path / "probe.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "tests" / "_ddp_no_sync_probe.py"), str(out)], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["ddp_allreduce_calls"] == 0
+    # Same three steps on one process over the whole 16-sample batch.
+    from accelerate import Accelerator
+
+    from vramfit.config import ModelConfig, OptimConfig
+    from vramfit.engine import StepState, train_step
+    from vramfit.models import create_model
+    from vramfit.optim import create_optimizer
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="test_resnet", bn="freeze"), num_classes=5, load_weights=False)
+    opt = create_optimizer(model, OptimConfig(lr=1e-3))
+    model, opt = acc.prepare(model, opt)
+    g = torch.Generator().manual_seed(1)
+    state = StepState(micro_batch=16, per_process_batch=16)
+    for _ in range(3):
+        x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 5, (16,), generator=g)
+        train_step(acc, model, opt, x, y, 16, state, label_smoothing=0.0, clip_grad_norm=None)
+    single = {k: v.sum().item() for k, v in model.state_dict().items()}
+    assert single.keys() == res["weights"].keys()
+    for k in single:
+        assert single[k] == pytest.approx(res["weights"][k], abs=1e-4), k

@@ -90,6 +90,9 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
     device = accelerator.device
     n = labels.shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
+    if _is_fsdp(accelerator):
+        return _fsdp_step(accelerator, model, optimizer, images, labels, step_samples, state,
+                          label_smoothing, clip_grad_norm, loss_fn, check_grad_norm)
     while True:
         flag, loss_sum, correct = OK, torch.zeros((), device=device), 0
         retries_before = _alloc_retries(device)
@@ -141,6 +144,51 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
 def _loss(logits, y, label_smoothing: float):
     # A SUM over the micro-batch; the caller divides by the samples of the whole optimizer batch.
     return F.cross_entropy(logits.float(), y, reduction="sum", label_smoothing=label_smoothing)
+
+
+def _is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def _fsdp_step(accelerator, model, optimizer, images, labels, step_samples, state, label_smoothing,
+               clip_grad_norm, loss_fn, check_grad_norm) -> StepResult:
+    """FSDP reduce-scatters gradients inside backward, so the manual reduction (and with it the
+    OOM retry) does not apply: all but the last micro-batch skip the sync, an OOM stops the run."""
+    import contextlib
+
+    device = accelerator.device
+    chunks = _micro_chunks(labels.shape[0], state.micro_batch)
+    loss_sum, correct = torch.zeros((), device=device), 0
+    try:
+        for i, (s, e) in enumerate(chunks):
+            ctx = accelerator.no_sync(model) if i < len(chunks) - 1 else contextlib.nullcontext()
+            with ctx:
+                logits = model(images[s:e])
+                loss = (loss_fn or _loss)(logits, labels[s:e], label_smoothing)
+                # FSDP averages gradients over processes; scaling by the process count turns that
+                # average back into the sum over the global batch that the DDP path computes.
+                accelerator.backward(loss * accelerator.num_processes / step_samples)
+            loss_sum += loss.detach()
+            correct += int((logits.detach().argmax(1) == labels[s:e]).sum())
+    except Exception as e:  # noqa: BLE001
+        if _is_oom(e):
+            raise MicroBatchExhausted("out of memory under FSDP (no retry: gradients are sharded)") from e
+        raise
+    if not math.isfinite(float(loss_sum)):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLoss(float(loss_sum))
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), clip_grad_norm or float("inf")))
+    if check_grad_norm and not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLoss(grad_norm, "gradient norm")
+    optimizer.step()
+    skipped = bool(getattr(optimizer, "step_was_skipped", False))
+    optimizer.zero_grad(set_to_none=True)
+    total = _sum_over_processes(torch.stack([loss_sum.float(), torch.tensor(float(correct), device=device)]))
+    return StepResult(loss=float(total[0]) / step_samples, correct=int(total[1]), samples=step_samples,
+                      grad_norm=grad_norm, skipped=skipped)
 
 
 class NonFiniteLoss(Exception):
