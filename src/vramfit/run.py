@@ -167,8 +167,6 @@ def train(cfg: Config) -> dict:
     # ---------------------------------------------------------------- batch arithmetic
     per_proc = per_process_batch(cfg.train.global_batch, world)
     plan = _choose_micro_batch(cfg, num_classes, per_proc, world, device_type)
-    micro = plan["micro_batch"]
-    accum = grad_accum_steps(cfg.train.global_batch, micro, world)
     steps_per_epoch = D.steps_per_epoch(len(splits.train), cfg.train.global_batch, world)
     if steps_per_epoch == 0:
         raise VramfitError(
@@ -186,6 +184,11 @@ def train(cfg: Config) -> dict:
         from timm.utils import ModelEmaV3
 
         ema = ModelEmaV3(acc.unwrap_model(model), decay=cfg.model.ema_decay, use_warmup=True)
+    if cfg.train.micro_batch == "auto" and device_type == "cuda":
+        plan.update(_auto_probe(cfg, num_classes, per_proc, acc, model))
+    micro = plan["micro_batch"]
+    accum = grad_accum_steps(cfg.train.global_batch, micro, world)
+    plan.update(_predict(cfg, num_classes, micro, per_proc, world, precision))
     set_seed(cfg.train.seed + rank)  # per-process streams for dropout / drop-path from here on
 
     # ---------------------------------------------------------------- loaders
@@ -281,7 +284,7 @@ def train(cfg: Config) -> dict:
                                      loss_fn=_nan_injector(cfg, st["global_step"] + 1, rank))
                 except MicroBatchExhausted:
                     _dump_memory(run_dir, acc)
-                    raise oom_message(step_state, _plan_text(plan)) from None
+                    raise oom_message(step_state, _advice_text(cfg, num_classes, world)) from None
                 except NonFiniteLoss as e:
                     raise _nonfinite_error(e, st, batch, ckpt_dir) from None
                 st["skipped_steps"] += int(res.skipped)
@@ -394,9 +397,9 @@ def _choose_micro_batch(cfg: Config, num_classes: int, per_proc: int, world: int
         plan["micro_batch"] = per_proc
         plan["reason"] = "whole per-process batch" if mb is None else "auto on CPU: whole per-process batch"
         return plan
-    if mb == "auto":
-        from .memory import auto_micro_batch
-        plan.update(auto_micro_batch(cfg, num_classes, per_proc))
+    if mb == "auto":  # sized after the model is on the device (run.train: `_auto_probe`)
+        plan["micro_batch"] = per_proc
+        plan["reason"] = "auto: pending the device probe"
         return plan
     if mb > per_proc:
         # A recipe's micro-batch is what fits the card; with more processes each one holds fewer
@@ -410,8 +413,44 @@ def _choose_micro_batch(cfg: Config, num_classes: int, per_proc: int, world: int
     return plan
 
 
-def _plan_text(plan: dict) -> str | None:
-    return plan.get("text")
+def _auto_probe(cfg: Config, num_classes: int, per_proc: int, acc, model) -> dict:
+    from .memory import auto_micro_batch
+
+    found = auto_micro_batch(cfg, num_classes, per_proc, acc.unwrap_model(model), acc.device)
+    if acc.num_processes > 1:  # every process must use the same split: take the smallest fit
+        import torch.distributed as dist
+
+        t = torch.tensor([found["micro_batch"]], device=acc.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        found["micro_batch"] = int(t.item())
+    return found
+
+
+def _predict(cfg: Config, num_classes: int, micro: int, per_proc: int, world: int, precision: str) -> dict:
+    """The planner's prediction for the micro-batch in use (plan.json), compared later with the peak."""
+    from .planner import estimate
+
+    try:
+        est = estimate(cfg, num_classes, micro, precision, num_processes=world, per_process_batch=per_proc)
+    except VramfitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow still trains
+        log.warning("memory plan unavailable for %s (%s: %s)", cfg.model.name, type(e).__name__, e)
+        return {"predicted_peak_bytes": None}
+    return {"predicted_peak_bytes": est.peak_bytes, "estimate": est.as_dict()}
+
+
+def _advice_text(cfg: Config, num_classes: int, world: int) -> str | None:
+    import io
+
+    from .planner import run_plan
+
+    try:
+        buf = io.StringIO()
+        run_plan(cfg, num_classes, num_processes=world, out=buf)
+        return buf.getvalue()
+    except Exception:  # noqa: BLE001 - the error below is what matters; the plan only adds detail
+        return None
 
 
 def _check_bad_fraction(bad: dict, n: int, limit: float) -> None:

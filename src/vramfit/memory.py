@@ -1,0 +1,141 @@
+"""`micro_batch: auto` on a GPU: plan, verify with a real probe step, adjust, cache the answer.
+
+The planner predicts without a device; the probe measures one forward/backward of the real model on
+the real card at the planned micro-batch (`max_memory_reserved`, plus the optimizer state that the
+first real step will allocate), then moves to the neighbouring divisor until the largest one that
+fits is found. Results are cached per (device, model, image size, precision, checkpointing, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .builtin_data import cache_root
+from .config import Config, _divisors
+
+log = logging.getLogger("vramfit")
+
+
+def cache_key(cfg: Config, device_name: str, per_proc: int, num_classes: int) -> str:
+    m = cfg.model
+    return "|".join(map(str, (device_name, m.name, cfg.data.image_size, cfg.train.precision,
+                              m.grad_checkpointing, m.channels_last, ",".join(m.freeze), m.bn,
+                              cfg.optim.name, num_classes, per_proc)))
+
+
+def _cache_file() -> Path:
+    return cache_root() / "micro_batch_cache.json"
+
+
+def cached(key: str) -> int | None:
+    try:
+        return int(json.loads(_cache_file().read_text())[key])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(key: str, micro: int) -> None:
+    f = _cache_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[key] = micro
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, f)
+
+
+def search(per_proc: int, start: int, budget: int, probe: Callable[[int], int | None]) -> tuple[int, list]:
+    """Largest divisor of `per_proc` whose measured peak fits `budget`, starting from the plan's pick.
+
+    `probe(m)` returns the measured peak in bytes, or None when it ran out of memory. Walks down from
+    `start` until one fits, or up while the next one still fits. Raises RuntimeError if 1 does not fit.
+    """
+    divs = _divisors(per_proc)
+    i = divs.index(start) if start in divs else max(j for j, d in enumerate(divs) if d <= start)
+    trace = []
+
+    def fits(j):
+        peak = probe(divs[j])
+        ok = peak is not None and peak <= budget
+        trace.append({"micro_batch": divs[j], "measured_peak_bytes": peak, "fits": ok})
+        return ok
+
+    if fits(i):
+        while i + 1 < len(divs) and fits(i + 1):
+            i += 1
+        return divs[i], trace
+    while i > 0:
+        i -= 1
+        if fits(i):
+            return divs[i], trace
+    raise RuntimeError("micro-batch 1 does not fit")
+
+
+def cuda_probe(model, optimizer_state_bytes: int, image_size: int, num_classes: int, channels_last: bool,
+               device) -> Callable[[int], int | None]:
+    """One forward+backward at micro-batch m on random data; the model's weights, BatchNorm statistics
+    and the global random streams are left exactly as they were."""
+
+    def probe(m: int) -> int | None:
+        buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_floating_point()
+                   or k.endswith(("running_mean", "running_var"))}
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        try:
+            with torch.random.fork_rng(devices=[device]):
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                x = torch.randn(m, 3, image_size, image_size, device=device).contiguous(memory_format=fmt)
+                y = torch.randint(0, num_classes, (m,), device=device)
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                loss.backward()
+                peak = torch.cuda.max_memory_reserved(device)
+            return peak + optimizer_state_bytes
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            for p in model.parameters():
+                p.grad = None
+            model.load_state_dict(buffers, strict=False)
+            torch.cuda.empty_cache()
+
+    return probe
+
+
+def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, device=None) -> dict:
+    """Plan (and on a GPU with `model` given, probe) the micro-batch for `micro_batch: auto`."""
+    from .planner import pick_micro_batch
+
+    device = device or torch.device("cuda")
+    total = torch.cuda.get_device_properties(device).total_memory
+    gib = cfg.hardware.memory_gib
+    budget = int(min(total, gib * 2**30 if gib else total) * (1 - cfg.hardware.safety_margin))
+    name = torch.cuda.get_device_name(device)
+    key = cache_key(cfg, name, per_proc, num_classes)
+    hit = cached(key)
+    if hit is not None and per_proc % hit == 0:
+        return {"micro_batch": hit, "reason": f"auto: cached for {name}", "budget_bytes": budget}
+    pick, table = pick_micro_batch(cfg, num_classes, per_proc, budget)
+    plan = {"micro_batch": pick or 1, "reason": "auto: planner", "budget_bytes": budget,
+            "predicted": [e.as_dict() for e in table if e.micro_batch == (pick or 1)]}
+    if model is None:
+        return plan
+    opt_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * (
+        8 if cfg.optim.name == "adamw" else 4)
+    probe = cuda_probe(model, opt_bytes, cfg.data.image_size, num_classes, cfg.model.channels_last, device)
+    try:
+        micro, trace = search(per_proc, pick or 1, budget, probe)
+    except RuntimeError:
+        micro, trace = 1, [{"micro_batch": 1, "fits": False}]
+        log.warning("auto micro-batch: even 1 sample did not fit in the probe; starting at 1")
+    store(key, micro)
+    plan.update(micro_batch=micro, reason=f"auto: planner {pick}, verified on {name}", probe=trace)
+    return plan

@@ -1,0 +1,70 @@
+"""OOM recovery through the real CLI (simulated limit), the auto micro-batch search, memory figures."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_args
+from vramfit import checkpoint
+from vramfit.errors import VramfitError
+from vramfit.memory import cached, search, store
+
+
+def _weights(run_dir):
+    return load_file(checkpoint.list_steps(run_dir / "checkpoints")[-1][1] / "model.safetensors")
+
+
+def test_simulated_oom_recovers_to_micro_8_with_same_weights(train_cli):
+    base = tiny_args("--global-batch", "32", "--set", "model.bn=freeze", "--set", "train.log_every_steps=1")
+    ref, code = train_cli(*base, "--micro-batch", "8", run_name="ref")
+    assert code == 0
+    got, code = train_cli(*base, "--set", "debug.simulate_oom_above=8", run_name="oom")
+    assert code == 0
+    s = json.loads((got / "summary.json").read_text())
+    assert s["micro_batch"] == 8 and s["grad_accum_steps"] == 4 and s["oom_retries"] == 2
+    assert [c["to"] for c in s["micro_batch_changes"]] == [16, 8]
+    a, b = _weights(ref), _weights(got)
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-6
+    rows = [json.loads(l) for l in (got / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert train_rows[0]["oom_retries"] == 2 and train_rows[0]["micro_batch"] == 8
+    assert all(r["host_rss_bytes"] > 0 for r in train_rows)
+    # Evaluation has its own micro-batching: the same limit shrinks it instead of failing.
+    assert [r["val_samples"] for r in rows if r["kind"] == "eval"] == [360]
+
+
+def test_oom_at_micro_batch_one_stops_with_the_plan(train_cli):
+    with pytest.raises(VramfitError) as e:
+        train_cli(*tiny_args("--set", "debug.simulate_oom_above=0"), run_name="never")
+    msg = str(e.value)
+    assert e.value.exit_code == 3 and "even at micro-batch 1" in msg
+    assert "parameters" in msg and "activations" in msg  # the plan's breakdown
+    assert "HINT" in msg and "vramfit plan" in msg
+
+
+def test_search_walks_to_the_largest_fitting_divisor():
+    budget = 1000
+    peak = lambda m: m * 30 if m <= 32 else None  # noqa: E731 - 33+ "runs out of memory"
+    assert search(64, 8, budget, peak)[0] == 32  # plan too cautious: walk up
+    assert search(64, 64, budget, peak)[0] == 32  # plan too bold: walk down
+    micro, trace = search(48, 16, 500, peak)
+    assert micro == 16 and [t["micro_batch"] for t in trace] == [16, 24]
+    with pytest.raises(RuntimeError):
+        search(8, 8, 10, peak)
+
+
+def test_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path))
+    assert cached("k") is None
+    store("k", 24)
+    store("j", 8)
+    assert cached("k") == 24 and cached("j") == 8
+
+
+def test_auto_on_cpu_runs_the_whole_share(train_cli):
+    run_dir, code = train_cli(*tiny_args("--micro-batch", "auto", "--set", "debug.signal_at_step=2"), run_name="auto")
+    assert code == 143
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["micro_batch"] == 16 and "auto on CPU" in plan["reason"]
+    assert plan["predicted_peak_bytes"] > 0 and plan["estimate"]["params_bytes"] > 0
