@@ -69,7 +69,7 @@ def test_two_processes_equal_one_process_and_accumulation(folder, tmp_path):
 def test_oom_on_one_rank_recovers_on_all(folder, tmp_path):
     """Only rank 1 'runs out of memory' above 4 samples: both ranks agree, split to 4, same weights."""
     ref = _run(folder, tmp_path, "ref", 2, "--micro-batch", "4")
-    got = _run(folder, tmp_path, "oom", 2, "--set", "debug.simulate_oom_above=4", "--set", "debug.simulate_oom_rank=1")
+    got = _run(folder, tmp_path, "oom", 2, "--set", "debug.simulate_oom_above=4", "--set", "debug.fault_rank=1")
     s = json.loads((got / "summary.json").read_text())
     assert s["micro_batch"] == 4 and s["oom_retries"] == 1
     assert _close(_final(ref), _final(got))

@@ -53,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="predict device memory for a recipe, without a GPU")
     _common(pl)
     pl.add_argument("--memory-gib", type=float, help="device memory to fit into (default: the recipe's card)")
-    pl.add_argument("--num-processes", type=int, default=1)
+    pl.add_argument("--num-processes", type=int, default=None,
+                    help="processes (GPUs) sharing the global batch (default: the recipe's hardware.gpus)")
     pl.add_argument("--num-classes", type=int, default=None,
                     help="classes of the head (default: 1000; the built-in digits: 10)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -98,7 +99,7 @@ def run(argv: list[str]) -> int:
 
         cfg = _config(ns)
         classes = ns.num_classes or (10 if cfg.data.source == "digits" else 1000)
-        run_plan(cfg, classes, num_processes=ns.num_processes, memory_gib=ns.memory_gib,
+        run_plan(cfg, classes, num_processes=ns.num_processes or cfg.hardware.gpus, memory_gib=ns.memory_gib,
                  micro_batch=cfg.train.micro_batch if isinstance(cfg.train.micro_batch, int) else None,
                  as_json=ns.json)
         return 0

@@ -111,7 +111,8 @@ class HardwareConfig(Section):
     """The card a recipe targets; the planner checks the recipe fits it."""
 
     name: str | None = None
-    memory_gib: float | None = Field(None, gt=0)
+    memory_gib: float | None = Field(None, gt=0)  # per card
+    gpus: int = Field(1, ge=1)  # cards the recipe is written for (`vramfit plan` plans per card)
     safety_margin: float = Field(0.1, ge=0.0, lt=1.0)
 
 

@@ -1,0 +1,311 @@
+"""The memory planner: exact on hand-countable models, sane on real ones, fast, offline.
+
+Hand counts below round every tensor up to the CUDA caching allocator's 512-byte blocks (`r`).
+"""
+
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from vramfit import planner as P
+from vramfit.config import Config
+
+MiB, GiB = 2**20, 2**30
+
+
+def r(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+def cfg_of(**sections) -> Config:
+    return Config.model_validate(sections)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA autocast rules on CPU
+
+
+def test_autocast_table_covers_every_cuda_autocast_op():
+    cuda_ops = {n[len("aten::"):] for n in torch._C._dispatch_get_all_op_names()
+                if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, "AutocastCUDA")}
+    missing = cuda_ops - set(P.CUDA_AUTOCAST_POLICY) - P._CUDA_ONLY
+    assert not missing, f"torch's CUDA autocast lists changed; add to planner.CUDA_AUTOCAST_POLICY: {missing}"
+
+
+def test_cuda_autocast_rules_apply_only_inside_the_context():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with P.cuda_autocast_rules_on_cpu(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(x, w).dtype is torch.bfloat16  # lower precision on both
+        assert nn.functional.layer_norm(x.bfloat16(), (8,)).dtype is torch.float32  # fp32 on CUDA only
+        assert torch.softmax(x.bfloat16(), -1).dtype is torch.float32  # fp32_set_opt_dtype
+        assert torch.cat([x.bfloat16(), x]).dtype is torch.float32  # plain type promotion, no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU's own rules are back
+        assert nn.functional.layer_norm(x.bfloat16(), (8,)).dtype is torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness against hand counts (the constants are left out: compare allocated bytes)
+
+NO_EXTRAS = dict(precision="no", label_smoothing=0.0, clip_grad_norm=None)
+
+
+def test_mlp_backward_peak_matches_hand_count():
+    B, D, H, C = 4096, 3 * 8 * 8, 1024, 10
+    cfg = cfg_of(data={"image_size": 8}, train={"global_batch": B, **NO_EXTRAS})
+    est = P.estimate_model(lambda: nn.Sequential(nn.Flatten(), nn.Linear(D, H), nn.ReLU(), nn.Linear(H, C)), cfg, B)
+    params = r(H * D * 4) + r(H * 4) + r(C * H * 4) + r(C * 4)
+    assert est.params_bytes == params
+    assert est.optimizer_bytes == 2 * params  # AdamW exp_avg + exp_avg_sq (step counters live on the host)
+    # Peak: inside ReLU's backward. Alive: weights, AdamW state, the input batch (x, labels), the
+    # ReLU output r1 (saved), its incoming grad and the grad it produces (each B x H), the fp32
+    # logits the engine keeps for accuracy, and the grads of the second layer already computed.
+    x, labels, act, logits = r(B * D * 4), r(B * 8), r(B * H * 4), r(B * C * 4)
+    hand = 3 * params + x + labels + 3 * act + logits + r(C * H * 4) + r(C * 4)
+    assert est.peak_phase == "backward"
+    assert abs(est.allocated_bytes - hand) <= 0.01 * hand
+    assert est.grads_bytes == r(C * H * 4) + r(C * 4)
+
+
+def test_mlp_optimizer_peak_matches_hand_count():
+    B, D, H, C = 64, 3 * 32 * 32, 512, 10
+    cfg = cfg_of(data={"image_size": 32}, train={"global_batch": B, **NO_EXTRAS})
+    est = P.estimate_model(lambda: nn.Sequential(nn.Flatten(), nn.Linear(D, H), nn.ReLU(), nn.Linear(H, C)), cfg, B)
+    params = r(H * D * 4) + r(H * 4) + r(C * H * 4) + r(C * 4)
+    # Small batch: the peak is torch's multi-tensor AdamW, which holds sqrt(exp_avg_sq) of one param
+    # group (timm: weights with decay, biases without) next to weights, grads and both moments.
+    hand = params + params + 2 * params + (r(H * D * 4) + r(C * H * 4)) + r(B * D * 4) + r(B * 8)
+    assert est.peak_phase == "optimizer"
+    assert est.grads_bytes == params and est.optimizer_bytes == 2 * params
+    assert abs(est.allocated_bytes - hand) <= 0.01 * hand
+
+
+def _conv_stack():
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_conv_stack_saved_activations_match_hand_count(precision):
+    B, S = 32, 32
+    cfg = cfg_of(data={"image_size": S}, train={"global_batch": B, **{**NO_EXTRAS, "precision": precision}})
+    prof = P._Profile(cfg, 10, precision, _conv_stack)
+    at = prof.live_at_end_of_forward(B)
+    e = 2 if precision == "bf16" else 4  # bytes per activation element
+    c1, c2 = r(B * 16 * S * S * e), r(B * 32 * (S // 2) ** 2 * e)
+    stats = 2 * r(16 * 4) + 2 * r(32 * 4)  # BatchNorm's fp32 batch mean / inverse std, saved
+    scalars = 2 * 512  # loss, nll_loss's total_weight
+    # Saved: conv out (by BN) and BN out (ReLU'd in place; by ReLU and the next conv) of both
+    # convs, the pooled features (by the linear), fp32 logits (the engine keeps them) and log_softmax.
+    hand = 2 * c1 + 2 * c2 + stats + r(B * 32 * e) + 2 * r(B * 10 * 4) + scalars
+    if precision == "bf16":
+        hand += r(B * 3 * S * S * 2)  # autocast's bf16 copy of the input, saved by conv1
+        # bf16 weight copies saved by the convs and the linear (the bias copy is not saved)
+        assert at[P.WCAST] == r(16 * 3 * 9 * 2) + r(32 * 16 * 9 * 2) + r(10 * 32 * 2)
+    assert at[P.INPUT] == r(B * 3 * S * S * 4) + r(B * 8)  # the fp32 input batch + labels
+    assert abs(at[P.ACT] - hand) <= 0.01 * hand, (at[P.ACT], hand)
+    assert at[P.PARAM] == r(16 * 3 * 9 * 4) + r(32 * 16 * 9 * 4) + r(10 * 32 * 4) + r(10 * 4) + 4 * r(16 * 4) \
+        - 2 * r(16 * 4) + 2 * r(32 * 4)  # conv weights, linear, BN affine (16 and 32 channels)
+
+
+def test_two_traces_give_every_batch_exactly():
+    cfg = cfg_of(model={"name": "test_resnet"}, data={"image_size": 64}, train={"precision": "bf16"})
+    prof = P._get_profile(cfg, 10, "bf16")
+    assert prof.linear
+    for b in (3, 16):
+        log = prof.tracer.trace(b)
+        assert (log.events == prof.log.events).all()
+        assert (log.sizes == prof.const + prof.slope * b).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Real models: direction of every knob
+
+
+@pytest.mark.parametrize("name,size", [("test_resnet", 64), ("test_resnet", 224), ("resnet18", 64), ("resnet18", 224)])
+def test_peak_monotonic_and_knobs_lower_it(name, size):
+    base = dict(model={"name": name}, data={"image_size": size}, train={"global_batch": 64, "precision": "no"})
+    fp32 = P.estimate_table(cfg_of(**base), 100, [1, 2, 4, 8, 16, 32, 64])
+    peaks = [e.peak_bytes for e in fp32]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    bf16 = P.estimate(cfg_of(**base), 100, 32, precision="bf16")
+    ckpt = P.estimate(cfg_of(**{**base, "model": {"name": name, "grad_checkpointing": True}}), 100, 32)
+    assert bf16.peak_bytes < fp32[5].peak_bytes
+    assert bf16.activations_bytes < fp32[5].activations_bytes
+    assert ckpt.peak_bytes < fp32[5].peak_bytes
+    for e in fp32 + [bf16, ckpt]:  # the breakdown adds up
+        parts = (e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes
+                 + e.temporaries_bytes + e.allocator_overhead_bytes + e.cuda_context_bytes)
+        assert parts == e.peak_bytes
+
+
+def test_accumulation_frozen_layers_and_ddp():
+    cfg = cfg_of(model={"name": "resnet18"}, data={"image_size": 64}, train={"global_batch": 64, "precision": "no"})
+    alone = P.estimate(cfg, 100, 16, per_process_batch=16)
+    accum = P.estimate(cfg, 100, 16, per_process_batch=64)
+    assert accum.accumulating and not alone.accumulating
+    assert accum.allocated_bytes > alone.allocated_bytes  # earlier grads + a bigger input batch
+    frozen_cfg = P._with(cfg, {"model.freeze": ["conv1", "bn1", "layer1", "layer2"]})
+    frozen = P.estimate(frozen_cfg, 100, 16, per_process_batch=16)
+    assert frozen.optimizer_bytes < alone.optimizer_bytes
+    saved = P._get_profile(cfg, 100, "no").live_at_end_of_forward(16)[P.ACT]
+    saved_frozen = P._get_profile(frozen_cfg, 100, "no").live_at_end_of_forward(16)[P.ACT]
+    assert saved_frozen < 0.5 * saved  # frozen leading stages save nothing for backward
+    ddp = P.estimate(cfg, 100, 16, num_processes=4)
+    assert ddp.grads_bytes >= P._get_profile(cfg, 100, "no").trainable_bytes  # DDP buckets
+
+
+# ---------------------------------------------------------------------------------------------
+# Picking and advice
+
+
+def test_pick_micro_batch_is_a_fitting_divisor():
+    cfg = cfg_of(model={"name": "resnet18"}, data={"image_size": 128}, train={"global_batch": 96, "precision": "bf16"})
+    table = {e.micro_batch: e.peak_bytes for e in P.estimate_table(cfg, 100, [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96])}
+    budget = (table[12] + table[16]) // 2
+    pick, tried = P.pick_micro_batch(cfg, 100, 96, budget)
+    assert pick == 12 and 96 % pick == 0
+    assert all(e.peak_bytes <= budget for e in tried if e.micro_batch <= pick)
+    assert all(e.peak_bytes > budget for e in tried if e.micro_batch > pick)
+    assert P.pick_micro_batch(cfg, 100, 96, table[1] - 1)[0] is None
+
+
+def _check_options(cfg, options, budget):
+    assert [o["cost"] for o in options] == sorted(o["cost"] for o in options)
+    for o in options:
+        est = P.estimate(P._with(cfg, o["set"]), 100, o["micro_batch"], per_process_batch=64)
+        assert est.peak_bytes <= budget and 64 % o["micro_batch"] == 0
+        assert o["peak_bytes"] == est.peak_bytes and o["set"]["train.micro_batch"] == o["micro_batch"]
+
+
+def test_advise_options_each_fit():
+    cfg = cfg_of(model={"name": "resnet18"}, data={"image_size": 224},
+                 train={"global_batch": 64, "micro_batch": 64, "precision": "no"})
+    # The configured micro-batch 64 is too big, 8 fits: the free fix (same maths) comes first.
+    budget = P.estimate(cfg, 100, 8, per_process_batch=64).peak_bytes + MiB
+    options = P.advise(cfg, 100, 64, budget)
+    assert options[0]["cost"] == 0 and options[0]["micro_batch"] == 8
+    changes = " | ".join(o["change"] for o in options)
+    assert "bf16" in changes and "gradient checkpointing" in changes and "freeze" in changes
+    _check_options(cfg, options, budget)
+    bf16 = next(o for o in options if o["change"] == "bf16 autocast")
+    assert bf16["micro_batch"] >= 8
+
+    # Not even micro-batch 1 fits: weights + grads + AdamW state dominate, so only training fewer
+    # weights helps (resnet18 has no lighter sibling in the table).
+    budget = P.estimate(cfg, 100, 1, per_process_batch=64).peak_bytes - 1
+    options = P.advise(cfg, 100, 64, budget)
+    assert options and all(o["cost"] > 0 for o in options)
+    _check_options(cfg, options, budget)
+    assert P.advise(cfg, 100, 64, 10 * GiB) == []
+
+
+def test_lighter_backbones():
+    assert P.lighter_backbones("resnet50.a1_in1k") == ["resnet34", "resnet18"]
+    assert P.lighter_backbones("efficientnet_b3") == ["efficientnet_b2", "efficientnet_b0"]
+    assert P.lighter_backbones("convnext_base")[0] == "convnext_small"
+    assert P.lighter_backbones("resnet18") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# `vramfit plan`
+
+
+def test_plan_offline_with_pretrained_true(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub
+    import timm.models._builder as builder
+    import timm.models._hub as hub
+
+    def no_network(*a, **k):
+        raise AssertionError("the planner must not load or download weights")
+
+    for mod, name in [(huggingface_hub, "hf_hub_download"), (hub, "hf_hub_download"),
+                      (torch.hub, "load_state_dict_from_url"), (builder, "load_pretrained"),
+                      (builder, "load_custom_pretrained")]:
+        monkeypatch.setattr(mod, name, no_network)
+    P._PROFILES.clear()
+    cfg = cfg_of(model={"name": "resnet18", "pretrained": True}, data={"image_size": 64},
+                 train={"global_batch": 32, "micro_batch": "auto"}, hardware={"memory_gib": 12})
+    buf = io.StringIO()
+    res = P.run_plan(cfg, 10, as_json=True, out=buf)
+    printed = json.loads(buf.getvalue())
+    assert printed["pick"] == 32 and printed["micro_batch"] == 32 and printed["fits"] is True
+    assert res["estimate"]["peak_bytes"] == printed["predicted_peak_bytes"]
+    json.dumps({k: v for k, v in res.items()})  # plan.json is plain JSON
+    e = res["estimate"]
+    assert sum(e[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                              "temporaries_bytes", "allocator_overhead_bytes", "cuda_context_bytes")) == e["peak_bytes"]
+    sizes = [row["micro_batch"] for row in res["table"]]
+    assert sizes == [1, 2, 4, 8, 16, 32]
+
+
+def test_plan_text_without_budget_and_with_bad_micro_batch():
+    cfg = cfg_of(model={"name": "test_resnet"}, data={"image_size": 64}, train={"global_batch": 24})
+    buf = io.StringIO()
+    res = P.run_plan(cfg, 10, out=buf)
+    text = buf.getvalue()
+    assert res["fits"] is None and res["micro_batch"] == 24 and "no memory budget" in text
+    for label in ("parameters", "gradients", "optimizer state", "activations", "temporaries", "allocator",
+                  "CUDA context", "peak"):
+        assert f"  {label}" in text
+    assert {row["micro_batch"] for row in res["table"]} == {1, 2, 3, 4, 6, 8, 12, 16, 24}
+    from vramfit.errors import VramfitError
+    with pytest.raises(VramfitError, match="does not divide"):
+        P.run_plan(cfg, 10, micro_batch=5, out=io.StringIO())
+
+
+def test_resnet50_plan_time_and_sanity_anchor():
+    """ResNet50 @ 224 on 2 CPU cores: cold plan with its table and advice well inside 30 s.
+
+    Sanity anchor, fp32 AdamW batch 32: the literature's "~10-11 GB of activations + state" is not
+    what PyTorch stores. Counted by hand from the layer shapes, ResNet50 saves 21.5 M values per
+    224 px image (every conv output for its BatchNorm, every ReLU'd BatchNorm output that a conv or
+    ReLU reads, the block outputs, max-pool output + int64 indices, the input): 85.9 MB/image, so
+    2.56 GiB at batch 32, + 0.29 GiB of weights and AdamW state. The trace says the same (2.56 GiB
+    activations, 2.9 GiB allocated, 3.5 GiB on nvidia-smi with the constants); ~10-11 GB is
+    what batch ~120 would need.
+    """
+    P._PROFILES.clear()
+    cfg = cfg_of(model={"name": "resnet50"}, data={"image_size": 224},
+                 train={"global_batch": 256, "micro_batch": 256, "precision": "no"}, hardware={"memory_gib": 12})
+    t0 = time.perf_counter()
+    res = P.run_plan(cfg, 1000, out=io.StringIO())
+    seconds = time.perf_counter() - t0
+    assert seconds < 30, f"ResNet50 plan took {seconds:.1f} s"
+    assert res["fits"] is False and res["advice"] and res["pick"] == 64
+
+    e32 = P.estimate(cfg, 1000, 32, per_process_batch=32)
+    per_image = 4 * 21_475_328
+    assert abs(e32.activations_bytes - 32 * per_image) < 0.02 * 32 * per_image
+    state = e32.params_bytes + e32.optimizer_bytes
+    assert 0.25 * GiB < state < 0.32 * GiB
+    assert 2.7 * GiB < e32.allocated_bytes < 3.1 * GiB
+    bf16 = P.estimate(cfg, 1000, 32, precision="bf16", per_process_batch=32)
+    assert bf16.activations_bytes < 0.6 * e32.activations_bytes
+
+
+GPU_RECIPES = sorted(p for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")
+                     if "memory_gib" in p.read_text())
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.stem)
+def test_every_gpu_recipe_is_predicted_to_fit_its_card(recipe, monkeypatch):
+    """Each recipe that names a card fits it at its configured micro-batch, with the safety margin."""
+    import io
+
+    from vramfit.config import build_config
+    from vramfit.planner import run_plan
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = build_config(str(recipe))
+    res = run_plan(cfg, 1000, num_processes=cfg.hardware.gpus, out=io.StringIO())
+    assert res["fits"] is True, f"{recipe.stem}: {res['predicted_peak_bytes'] / 2**30:.2f} GiB"
+    assert res["predicted_peak_bytes"] <= res["budget_bytes"]
+    assert res["micro_batch"] == min(cfg.train.micro_batch, res["per_process_batch"])
