@@ -151,3 +151,24 @@ def test_bad_input_is_one_paragraph_not_a_traceback(bad_inputs, tmp_path, case, 
     if case == "model":
         assert "resnet50" in err  # close matches from timm.list_models
     assert len(err.strip().splitlines()) <= 8
+
+
+def test_compare_lines_runs_up(quickstart, tmp_path, capsys):
+    import shutil
+
+    from vramfit.compare import compare
+    from vramfit.errors import VramfitError
+
+    run_dir, _, _ = quickstart
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(run_dir / "config.yaml", other / "config.yaml")
+    s = json.loads((run_dir / "summary.json").read_text())
+    (other / "summary.json").write_text(json.dumps({**s, "best_accuracy": 0.5, "micro_batch": 16,
+                                                    "grad_accum_steps": 4}))
+    runs = compare([str(other), str(run_dir)])
+    text = capsys.readouterr().out
+    assert [r["path"].name for r in runs] == [run_dir.name, "other"]  # best first
+    assert "64=16×4×1" in text and "64=64×1×1" in text and "0.5000" in text
+    with pytest.raises(VramfitError):
+        compare([str(tmp_path / "missing")])

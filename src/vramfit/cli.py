@@ -1,4 +1,4 @@
-"""Command line: `vramfit train | plan | scan-data | prepare`."""
+"""Command line: `vramfit train | plan | compare | scan-data | prepare`."""
 
 from __future__ import annotations
 
@@ -63,6 +63,11 @@ def parser() -> argparse.ArgumentParser:
     sd.add_argument("--data", required=True)
     sd.add_argument("--set", dest="sets", action="append", default=[])
 
+    cm = sub.add_parser("compare", help="summaries of several runs side by side")
+    cm.add_argument("runs", nargs="+", help="run folders, or an output folder such as runs/")
+    cm.add_argument("--sort", default="best_accuracy", help="summary.json key to sort by (descending)")
+    cm.add_argument("--json", action="store_true")
+
     pr = sub.add_parser("prepare", help="pre-resize a dataset once into a compact Arrow dataset")
     pr.add_argument("--data", required=True)
     pr.add_argument("--output", required=True)
@@ -107,6 +112,11 @@ def run(argv: list[str]) -> int:
         from .scan import scan_data
 
         return scan_data(_data_config(ns))
+    if ns.command == "compare":
+        from .compare import compare
+
+        compare(ns.runs, ns.sort, ns.json)
+        return 0
     if ns.command == "prepare":
         from .prepare import prepare
 
