@@ -134,7 +134,8 @@ def train(cfg: Config) -> dict:
             raise VramfitError(f"--resume {cfg.resume} is not a complete checkpoint folder.",
                                hint=f"use --resume auto, or one of {ckpt_dir}/step-N")
     resumed_state = checkpoint.read_state(resume_from) if resume_from else None
-    if resumed_state and resumed_state.get("finished") and (run_dir / "summary.json").exists():
+    if (resumed_state and resumed_state.get("finished") and (run_dir / "summary.json").exists()
+            and resumed_state.get("epoch", 0) >= cfg.train.epochs):
         import json
         summary = json.loads((run_dir / "summary.json").read_text())
         if main:
@@ -500,7 +501,8 @@ def _fingerprint(cfg: Config) -> dict:
     """What a resumed run must share with the run it continues (the maths of the optimisation)."""
     return {"model": cfg.model.name, "image_size": cfg.data.image_size, "source": cfg.data.source,
             "global_batch": cfg.train.global_batch, "optimizer": cfg.optim.name, "lr": cfg.optim.lr,
-            "seed": cfg.train.seed}
+            "seed": cfg.train.seed, "epochs": cfg.train.epochs,  # epochs shape the LR schedule
+            "precision": cfg.train.precision, "ema_decay": cfg.model.ema_decay}
 
 
 def _check_resume_compatible(cfg: Config, state: dict, world: int) -> None:
