@@ -23,13 +23,19 @@ def check_model_name(name: str) -> None:
     if timm.is_model(arch):
         return
     names = timm.list_models()
-    close = difflib.get_close_matches(arch, names, n=5, cutoff=0.6)
+    # Lookalike characters first (efficientnet_bO -> efficientnet_b0), then edit similarity.
+    same = [n for n in names if _norm(n) == _norm(arch)]
+    close = same + [n for n in difflib.get_close_matches(arch, names, n=5, cutoff=0.6) if n not in same]
     if not close:
         close = [n for n in names if arch.lower() in n][:5]
     raise VramfitError(
         f"Unknown model `{name}`: timm {timm.__version__} has no architecture of that name.",
         hint=(f"close matches: {', '.join(close)}. " if close else "")
         + "List them with `python -c \"import timm; print(timm.list_models('*resnet*'))\"`.")
+
+
+def _norm(name: str) -> str:
+    return name.lower().translate(str.maketrans({"o": "0", "l": "1", "i": "1", "-": "_"}))
 
 
 def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True) -> nn.Module:
@@ -46,7 +52,7 @@ def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True) 
                                hint="point it at a .safetensors / .pth / .bin weight file")
         # Through timm's pretrained loader (not checkpoint_path) so a 1000-class head is dropped and
         # re-initialised for our classes instead of failing on a shape mismatch.
-        kwargs["pretrained_cfg_overlay"] = dict(file=str(path.resolve()), num_classes=None)
+        kwargs["pretrained_cfg_overlay"] = dict(file=str(path.resolve()))
     try:
         model = timm.create_model(cfg.name, pretrained=pretrained, **kwargs)
     except (OSError, ConnectionError, RuntimeError, ValueError) as e:
@@ -98,11 +104,12 @@ def _chain(e: BaseException):
 
 def freeze_parameters(model: nn.Module, prefixes: list[str]) -> int:
     names = [n for n, _ in model.named_parameters()]
+    modules = {n for n, _ in model.named_modules()}
     frozen = 0
     for prefix in prefixes:
         hits = [n for n in names if n == prefix or n.startswith(prefix + ".")]
-        if not hits:
-            tops = sorted({n.split(".")[0] for n in names})
+        if not hits and prefix not in modules:  # a module without parameters (frozen BN) is fine
+            tops = sorted({n.split(".")[0] for n in modules if n})
             raise VramfitError(f"model.freeze names `{prefix}`, which matches no parameter.",
                                hint=f"top-level modules of this model: {', '.join(tops)}")
         for n, p in model.named_parameters():

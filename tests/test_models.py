@@ -1,0 +1,54 @@
+"""timm model creation: weights from a local file, offline hub failures, freezing, BN policy."""
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from vramfit.config import ModelConfig
+from vramfit.errors import VramfitError
+from vramfit.models import create_model
+
+
+def test_pretrained_path_loads_backbone_and_resizes_head(tmp_path):
+    src = timm.create_model("resnet18", pretrained=False, num_classes=1000)
+    f = tmp_path / "resnet18.safetensors"
+    save_file(src.state_dict(), f)
+    model = create_model(ModelConfig(name="resnet18", pretrained_path=str(f)), num_classes=7)
+    assert torch.equal(model.conv1.weight, src.conv1.weight)  # backbone from the file
+    assert model.fc.weight.shape == (7, 512)  # head sized for our classes, not the file's 1000
+
+
+def test_offline_hub_download_says_how_to_run_without_it(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(VramfitError) as e:
+        create_model(ModelConfig(name="resnet18", pretrained=True), num_classes=3)
+    assert "pretrained=false" in str(e.value) and "pretrained_path" in str(e.value)
+
+
+def test_missing_weight_file():
+    with pytest.raises(VramfitError, match="does not exist"):
+        create_model(ModelConfig(name="resnet18", pretrained_path="/nope.safetensors"), num_classes=3)
+
+
+def test_freeze_bn_checkpointing_channels_last():
+    cfg = ModelConfig(name="resnet18", freeze=["conv1", "bn1", "layer1"], bn="freeze",
+                      grad_checkpointing=True, channels_last=True)
+    model = create_model(cfg, num_classes=4, load_weights=False)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith(("conv1", "bn1", "layer1")) for n in frozen)
+    assert model.layer2[0].conv1.weight.requires_grad
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert model.grad_checkpointing
+
+
+def test_freeze_unknown_prefix_lists_modules():
+    with pytest.raises(VramfitError) as e:
+        create_model(ModelConfig(name="resnet18", freeze=["stem"]), num_classes=4, load_weights=False)
+    assert "layer1" in str(e.value)
+
+
+def test_unknown_model_suggests():
+    with pytest.raises(VramfitError) as e:
+        create_model(ModelConfig(name="efficientnet_bO"), num_classes=4)
+    assert "efficientnet_b0" in str(e.value)
