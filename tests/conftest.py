@@ -30,11 +30,15 @@ def train_cli(tmp_path):
     return _run
 
 
+TINY_STEPS_PER_EPOCH = 30  # 480 training images / global batch 16
+
+
 def tiny_args(*extra):
-    """A seeded tiny run on the built-in digits: test_resnet at 32 px, no workers."""
+    """A seeded tiny run on a 480/120 subset of the built-in digits: test_resnet at 32 px, no workers."""
     return ["--data", "digits", "--model", "test_resnet", "--image-size", "32", "--global-batch", "16",
             "--epochs", "1", "--set", "data.num_workers=0", "--set", "data.hflip=0",
-            "--set", "data.val_fraction=0.2", *extra]
+            "--set", "data.val_fraction=0.2", "--set", "data.limit_train_samples=480",
+            "--set", "data.limit_val_samples=120", *extra]
 
 
 def python_cmd():

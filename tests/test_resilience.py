@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
 
 
 def test_two_interruptions_in_one_epoch(train_cli, reference):
-    for stop in (20, 50):
+    for stop in (8, 20):
         run_dir, code = train_cli(*ARGS, "--set", f"debug.signal_at_step={stop}", run_name="cut")
         assert code == 143
     run_dir, code = train_cli(*ARGS, run_name="cut")
@@ -59,7 +59,7 @@ def test_two_interruptions_in_one_epoch(train_cli, reference):
 
 
 def test_negative_control_detects_a_lost_data_position(train_cli, reference, monkeypatch):
-    run_dir, code = train_cli(*ARGS, "--set", "debug.signal_at_step=30", run_name="lost")
+    run_dir, code = train_cli(*ARGS, "--set", "debug.signal_at_step=12", run_name="lost")
     assert code == 143
     from vramfit import data
 
@@ -72,17 +72,17 @@ def test_negative_control_detects_a_lost_data_position(train_cli, reference, mon
 
 
 def test_damaged_newest_checkpoint_is_skipped(train_cli, caplog):
-    args = tiny_args("--set", "checkpoint.every_steps=10", "--set", "checkpoint.keep_last=3")
-    run_dir, code = train_cli(*args, "--set", "debug.signal_at_step=30", run_name="dmg")
+    args = tiny_args("--set", "checkpoint.every_steps=5", "--set", "checkpoint.keep_last=3")
+    run_dir, code = train_cli(*args, "--set", "debug.signal_at_step=15", run_name="dmg")
     assert code == 143
     steps = checkpoint.list_steps(run_dir / "checkpoints")
-    assert [s for s, _ in steps] == [10, 20, 30]
+    assert [s for s, _ in steps] == [5, 10, 15]
     (steps[-1][1] / "model.safetensors").write_bytes(b"garbage")  # damaged after the fact
-    (run_dir / "checkpoints" / ".tmp-step-40").mkdir()  # a save that never finished
+    (run_dir / "checkpoints" / ".tmp-step-20").mkdir()  # a save that never finished
     assert checkpoint.latest(run_dir / "checkpoints") == steps[-2][1]
     run_dir, code = train_cli(*args, run_name="dmg")
     assert code == 0
-    assert not (run_dir / "checkpoints" / ".tmp-step-40").exists()
+    assert not (run_dir / "checkpoints" / ".tmp-step-20").exists()
     assert "skipping damaged checkpoint" in caplog.text
     state = json.loads((run_dir / "summary.json").read_text())
     assert state["finished"]
@@ -148,13 +148,13 @@ def test_real_sigterm_with_workers_saves_and_resumes_exactly(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "sig" / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 25):
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGTERM)  # mid-epoch 1 (90 steps per epoch)
+    os.kill(proc.pid, signal.SIGTERM)  # mid-epoch 1 (30 steps per epoch)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
     saved = checkpoint.latest(tmp_path / "sig" / "checkpoints")
-    assert saved is not None and 25 <= checkpoint.read_state(saved)["global_step"] < 90
+    assert saved is not None and 10 <= checkpoint.read_state(saved)["global_step"] < 30
     again = subprocess.run(cmd + args + ["--run-name", "sig"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]

@@ -61,6 +61,9 @@ class DataConfig(Section):
     num_workers: int | Literal["auto"] = "auto"
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
     cache_dir: str | None = None
+    # Train/evaluate on a seeded random subset of this many images (smoke tests, quick sweeps).
+    limit_train_samples: int | None = Field(None, ge=1)
+    limit_val_samples: int | None = Field(None, ge=1)
 
 
 class TrainConfig(Section):

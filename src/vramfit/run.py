@@ -151,6 +151,12 @@ def train(cfg: Config) -> dict:
     # ---------------------------------------------------------------- data
     with acc.main_process_first():
         splits = D.load_splits(cfg.data, cfg.train.seed)
+    for part, limit in (("train", cfg.data.limit_train_samples), ("val", cfg.data.limit_val_samples)):
+        ds = getattr(splits, part)
+        if limit is not None and limit < len(ds):
+            setattr(splits, part, ds.shuffle(seed=cfg.train.seed).select(range(limit)))
+            splits.notes.append(f"data.limit_{part}_samples: using a seeded random {limit} of {len(ds)} "
+                                f"{part} images")
     num_classes = len(splits.class_names)
     if resumed_state and resumed_state.get("class_names") not in (None, splits.class_names):
         raise VramfitError(
