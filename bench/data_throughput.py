@@ -28,7 +28,6 @@ import tempfile
 import time
 from multiprocessing import Pool
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 from PIL import Image
@@ -108,7 +107,7 @@ def ours(source: Path, args, jitter: bool) -> float:
     src = D.load_source(cfg)
     data_cfg = {"input_size": (3, args.image_size, args.image_size), "interpolation": "bilinear",
                 "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
-    tcfg = cfg if jitter else SimpleNamespace(**cfg.model_dump(), color_jitter=None)
+    tcfg = cfg if jitter else cfg.model_copy(update={"color_jitter": 0.0})
     train_tf, _ = D.build_transforms(tcfg, data_cfg)
     ds = D.ImageDataset(src.train, src.image_column, src.label_column, train_tf, args.image_size, 0, True)
     sampler = D.StepBatchSampler(len(ds), args.batch, 0, 1, seed=0)

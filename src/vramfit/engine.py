@@ -104,7 +104,7 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
                     loss = (loss_fn or _loss)(logits, y, label_smoothing)
                     accelerator.backward(loss / step_samples)
                     loss_sum += loss.detach()
-                    correct += int((logits.detach().argmax(1) == y).sum())
+                    correct += _hits(logits, y)
                     del logits, loss
         except Exception as e:  # noqa: BLE001 - only OOM is handled; anything else re-raises
             if not _is_oom(e):
@@ -143,7 +143,14 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
 
 def _loss(logits, y, label_smoothing: float):
     # A SUM over the micro-batch; the caller divides by the samples of the whole optimizer batch.
-    return F.cross_entropy(logits.float(), y, reduction="sum", label_smoothing=label_smoothing)
+    # `y` is class indices, or class distributions (mixup/cutmix: smoothing is already inside them).
+    return F.cross_entropy(logits.float(), y, reduction="sum",
+                           label_smoothing=label_smoothing if y.dim() == 1 else 0.0)
+
+
+def _hits(logits, y) -> int:
+    target = y if y.dim() == 1 else y.argmax(1)
+    return int((logits.detach().argmax(1) == target).sum())
 
 
 def _is_fsdp(accelerator) -> bool:
@@ -171,7 +178,7 @@ def _fsdp_step(accelerator, model, optimizer, images, labels, step_samples, stat
                 # average back into the sum over the global batch that the DDP path computes.
                 accelerator.backward(loss * accelerator.num_processes / step_samples)
             loss_sum += loss.detach()
-            correct += int((logits.detach().argmax(1) == labels[s:e]).sum())
+            correct += _hits(logits, labels[s:e])
     except Exception as e:  # noqa: BLE001
         if _is_oom(e):
             raise MicroBatchExhausted("out of memory under FSDP (no retry: gradients are sharded)") from e

@@ -85,6 +85,7 @@ def train(cfg: Config) -> dict:
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     from . import data as D
+    from .augment import DeviceAugment
     from .engine import MicroBatchExhausted, NonFiniteLoss, StepState, evaluate, oom_message, train_step
     from .models import create_model, data_config, export
     from .optim import create_optimizer, create_scheduler
@@ -212,6 +213,7 @@ def train(cfg: Config) -> dict:
     eval_micro = [eval_batch]  # shrinks on an evaluation OOM and stays shrunk
     val_loader = acc.prepare_data_loader(D.make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))
     normalize = D.normalizer(data_cfg, acc.device, cfg.model.channels_last)
+    augment = DeviceAugment(cfg.data, num_classes, cfg.train.label_smoothing, cfg.train.seed, rank)
 
     # ---------------------------------------------------------------- state and resume
     st = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "samples_seen": 0, "best_accuracy": None,
@@ -281,8 +283,8 @@ def train(cfg: Config) -> dict:
                     st["skipped_samples"] += 1
                     log.warning("unreadable image replaced: %s", b)
                 _check_bad_fraction(bad_files, len(splits.train), cfg.data.max_bad_fraction)
-                images = normalize(batch.images)
-                labels = batch.labels.to(acc.device, non_blocking=True)
+                images, labels = augment(normalize(batch.images), batch.labels.to(acc.device, non_blocking=True),
+                                         epoch, st["step_in_epoch"])
                 try:
                     res = train_step(acc, model, optimizer, images, labels, batch.step_samples, step_state,
                                      label_smoothing=cfg.train.label_smoothing,

@@ -1,0 +1,126 @@
+"""On-device batch augmentation: normalisation, random erasing, mixup/cutmix; seeded by position."""
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_args
+from vramfit import data as D
+from vramfit.augment import DeviceAugment
+from vramfit.config import DataConfig
+
+DATA_CFG = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+
+
+def batch(n=6, size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g),
+            torch.randint(0, 5, (n,), generator=g))
+
+
+def test_normalizer_matches_the_reference_and_keeps_the_input():
+    x, _ = batch()
+    keep = x.clone()
+    out = D.normalizer(DATA_CFG, "cpu", channels_last=True)(x)
+    mean = torch.tensor(DATA_CFG["mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(DATA_CFG["std"]).view(1, 3, 1, 1)
+    torch.testing.assert_close(out, (x.float() / 255 - mean) / std, rtol=0, atol=1e-5)
+    assert out.dtype == torch.float32 and out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(x, keep)
+
+
+def test_no_augmentation_is_the_identity():
+    aug = DeviceAugment(DataConfig(), num_classes=5, label_smoothing=0.1, seed=0, rank=0)
+    x, y = batch()
+    xf = x.float()
+    out, t = aug(xf.clone(), y, epoch=0, step=3)
+    assert torch.equal(out, xf) and torch.equal(t, y) and not aug.soft_targets
+
+
+def test_random_erasing_is_seeded_by_position():
+    aug = DeviceAugment(DataConfig(reprob=1.0), num_classes=5, label_smoothing=0.0, seed=1, rank=0)
+    x = torch.zeros(4, 3, 32, 32)
+    a, _ = aug(x.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=5)
+    b, _ = aug(x.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=5)
+    c, _ = aug(x.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=6)
+    d, _ = aug(x.clone(), torch.zeros(4, dtype=torch.long), epoch=1, step=5)
+    assert all(bool((a[i] != 0).any()) for i in range(4))  # probability 1: every sample erased
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, d)
+    # The caller's RNG streams are untouched (dropout after the step draws as without erasing).
+    torch.manual_seed(3)
+    before = torch.rand(3)
+    torch.manual_seed(3)
+    aug(x.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=5)
+    assert torch.equal(torch.rand(3), before)
+
+
+@pytest.mark.parametrize("n", [6, 5, 1])
+def test_mixup_mixes_pairs_and_targets_sum_to_one(n):
+    cfg = DataConfig(mixup=0.8)
+    aug = DeviceAugment(cfg, num_classes=5, label_smoothing=0.1, seed=0, rank=0)
+    x, y = batch(n)
+    xf = x.float()
+    out, t = aug(xf.clone(), y, epoch=0, step=1)
+    assert aug.soft_targets and t.shape == (n, 5)
+    torch.testing.assert_close(t.sum(1), torch.ones(n))
+    even = n - n % 2
+    if even:
+        lam = float(t[0, y[0]] - (0.1 / 5)) if y[0] != y[even - 1] else None
+        if lam is not None:  # image = lam * x + (1 - lam) * partner, target the same mixture
+            lam = lam / 0.9
+            torch.testing.assert_close(out[0], lam * xf[0] + (1 - lam) * xf[even - 1], rtol=1e-5, atol=1e-3)
+    if n % 2:  # the odd sample out stays as it was, with a smoothed one-hot target
+        assert torch.equal(out[-1], xf[-1])
+        assert float(t[-1, y[-1]]) == pytest.approx(0.9 + 0.1 / 5)
+
+
+def test_cutmix_pastes_a_box_and_is_seeded():
+    aug = DeviceAugment(DataConfig(cutmix=1.0), num_classes=5, label_smoothing=0.0, seed=0, rank=0)
+    x = torch.stack([torch.full((3, 16, 16), float(i)) for i in range(4)])
+    y = torch.tensor([0, 1, 2, 3])
+    a, ta = aug(x.clone(), y, epoch=0, step=2)
+    b, tb = aug(x.clone(), y, epoch=0, step=2)
+    assert torch.equal(a, b) and torch.equal(ta, tb)
+    pasted = (a[0] == 3.0).float().mean()  # sample 0's partner is sample 3
+    assert 0 < float(pasted) < 1
+    assert float(ta[0, 3]) == pytest.approx(float(pasted), abs=1e-6)  # lambda corrected to the box
+    r1, _ = DeviceAugment(DataConfig(cutmix=1.0), 5, 0.0, seed=0, rank=1)(x.clone(), y, epoch=0, step=2)
+    assert not torch.equal(a, r1)  # ranks draw their own boxes
+
+
+def test_soft_target_loss_equals_hard_loss_on_one_hot():
+    from vramfit.engine import _hits, _loss
+
+    logits = torch.randn(4, 5)
+    y = torch.tensor([0, 3, 1, 4])
+    onehot = torch.nn.functional.one_hot(y, 5).float()
+    torch.testing.assert_close(_loss(logits, onehot, 0.0), _loss(logits, y, 0.0))
+    assert _hits(logits, onehot) == _hits(logits, y)
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_with_erasing_mixup_and_cutmix_and_exact_resume(train_cli, tmp_path):
+    """The full train path with every device augmentation on; an interrupted and resumed run ends
+    with the same weights as an uninterrupted one (augmentation is a function of the position)."""
+    from safetensors.torch import load_file
+
+    aug = ("--set", "data.reprob=0.5", "--set", "data.mixup=0.8", "--set", "data.cutmix=1.0",
+           "--set", "data.limit_train_samples=160", "--set", "train.log_every_steps=1")
+    full, code = train_cli(*tiny_args(*aug), run_name="full")
+    assert code == 0
+    losses = [m["loss"] for m in _metrics(full) if m["kind"] == "train"]
+    assert len(losses) == 10 and all(0 < v < 10 for v in losses)
+    part, code = train_cli(*tiny_args(*aug, "--set", "debug.signal_at_step=4"), run_name="part")
+    assert code == 143
+    part, code = train_cli(*tiny_args(*aug), run_name="part")
+    assert code == 0
+
+    def last(run):
+        ckpts = sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        return load_file(ckpts[-1] / "model.safetensors")
+
+    a, b = last(full), last(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
