@@ -470,3 +470,68 @@ def test_prepare_keeps_labels_and_splits_and_the_output_trains(messy, tmp_path, 
     assert code == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["skipped_samples"] == 0 and summary["global_step"] == 3  # 20 images: 2 + short one
+
+
+# ---- every source kind trains; guards before and at step 1 ---------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["save_to_disk", "parquet_folder", "arrow_file", "hub"])
+def test_each_source_kind_trains_a_few_steps(kind, tmp_path, train_cli, monkeypatch):
+    import datasets
+
+    train, val = hub_style(16), hub_style(6)
+    extra: list[str] = []
+    if kind == "save_to_disk":
+        data = tmp_path / "saved"
+        datasets.DatasetDict({"train": train, "test": val}).save_to_disk(str(data))
+    elif kind == "parquet_folder":
+        data = tmp_path / "pq"
+        data.mkdir()
+        train.to_parquet(str(data / "train-00000-of-00001.parquet"))
+        val.to_parquet(str(data / "validation-00000-of-00001.parquet"))
+    elif kind == "arrow_file":  # no validation split: a quarter of train is held out
+        train.save_to_disk(str(tmp_path / "one"))
+        (data,) = (tmp_path / "one").glob("*.arrow")
+        extra = ["--set", "data.val_fraction=0.25"]
+    else:
+        calls = []
+
+        def fake_load_dataset(path, name=None, **kwargs):
+            calls.append((path, name, kwargs))
+            return datasets.DatasetDict({"train": train, "validation": val})
+
+        monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+        data, extra = "someone/tiny-cifar", ["--set", "data.config=plain"]
+    run_dir, code = train_cli(*train_args(data, None, "--set", f"data.cache_dir={tmp_path / 'cache'}", *extra))
+    assert code == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 2 and summary["final_accuracy"] is not None
+    assert json.loads((run_dir / "model" / "class_names.json").read_text()) == ["apple", "bee", "cat"]
+    if kind == "hub":  # the id and config reach datasets; no loading script is trusted unasked
+        assert [(p, n) for p, n, _ in calls] == [("someone/tiny-cifar", "plain")]
+        assert "trust_remote_code" not in calls[0][2]
+
+
+def test_batches_of_the_wrong_shape_stop_at_step_1(tmp_path, train_cli, monkeypatch):
+    """The 'resize written but never applied' bug: the guard names the transform, before any step."""
+    root = class_tree(tmp_path / "photos", {"a": 8, "b": 8}, size=(20, 20))
+    real = D.build_transforms
+
+    def no_resize(cfg, data_cfg):
+        _, val_tf = real(cfg, data_cfg)
+        return (lambda im: torch.from_numpy(np.array(im)).permute(2, 0, 1)), val_tf
+
+    monkeypatch.setattr(D, "build_transforms", no_resize)
+    with pytest.raises(VramfitError, match=r"shape \(8, 3, 20, 20\), expected \(N, 3, 32, 32\)") as e:
+        train_cli(*train_args(root, None))
+    assert "transform is not being applied" in e.value.message
+
+
+def test_resumed_head_must_match_the_dataset_classes(tmp_path, train_cli):
+    root = class_tree(tmp_path / "photos", {"cat": 12, "dog": 12}, size=(20, 20))
+    run_dir, code = train_cli(*train_args(root, None, "--set", "debug.signal_at_step=1"))
+    assert code == 143 and (run_dir / "checkpoints").is_dir()
+    (root / "dog").rename(root / "fox")
+    with pytest.raises(VramfitError, match="differ from the checkpoint") as e:
+        train_cli(*train_args(root, None))
+    assert "fox" in e.value.message and "dog" in e.value.message
