@@ -535,3 +535,18 @@ def test_resumed_head_must_match_the_dataset_classes(tmp_path, train_cli):
     with pytest.raises(VramfitError, match="differ from the checkpoint") as e:
         train_cli(*train_args(root, None))
     assert "fox" in e.value.message and "dog" in e.value.message
+
+
+def test_bad_file_counts_survive_a_resume(messy, train_cli):
+    root, bad = messy
+    args = train_args(root, None, "--set", "data.max_bad_fraction=0.2")
+    run_dir, code = train_cli(*args, "--set", "debug.signal_at_step=2")
+    assert code == 143
+    seen = json.loads((run_dir / "summary.json").read_text())["skipped_samples"]
+    assert 0 < seen < 4  # some met before the interruption, the rest after
+    run_dir, code = train_cli(*args)
+    assert code == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["skipped_samples"] == 4 and len(summary["unreadable_files"]) == 4
+    (ev,) = [m for m in metrics(run_dir) if m["kind"] == "eval"]
+    assert ev["skipped_samples"] == 4

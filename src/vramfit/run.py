@@ -218,6 +218,7 @@ def train(cfg: Config) -> dict:
     # ---------------------------------------------------------------- state and resume
     st = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "samples_seen": 0, "best_accuracy": None,
           "best_step": None, "final_accuracy": None, "oom_retries": 0, "skipped_samples": 0,
+          "epoch_skipped_samples": 0, "bad_files": {},
           "skipped_steps": 0, "micro_batch": micro, "class_names": splits.class_names,
           "world_size": world, "global_batch": cfg.train.global_batch, "finished": False,
           "fingerprint": _fingerprint(cfg)}
@@ -262,7 +263,6 @@ def train(cfg: Config) -> dict:
     # ---------------------------------------------------------------- loop
     flag = SignalFlag().install()
     model.train()
-    bad_files: dict[str, int] = {}
     total_train_time, total_train_samples, data_wait = 0.0, 0, 0.0
     exit_signal = 0
     consecutive_skips = 0
@@ -278,11 +278,15 @@ def train(cfg: Config) -> dict:
                 data_wait += t_got - t_wait
                 if st["global_step"] == 0 or st["step_in_epoch"] == 0:
                     D.check_batch_shape(batch.images, cfg.data.image_size)
-                for b in batch.bad:
-                    bad_files[b] = bad_files.get(b, 0) + 1
+                # Every rank counts every rank's bad files, so the counts are whole and all ranks
+                # stop together when there are too many (kept in the checkpoint across resumes).
+                for b in _gather_bad(batch.bad, acc):
+                    st["bad_files"][b] = st["bad_files"].get(b, 0) + 1
                     st["skipped_samples"] += 1
-                    log.warning("unreadable image replaced: %s", b)
-                _check_bad_fraction(bad_files, len(splits.train), cfg.data.max_bad_fraction)
+                    st["epoch_skipped_samples"] += 1
+                    if main:
+                        log.warning("unreadable image replaced: %s", b)
+                _check_bad_fraction(st["bad_files"], len(splits.train), cfg.data.max_bad_fraction)
                 images, labels = augment(normalize(batch.images), batch.labels.to(acc.device, non_blocking=True),
                                          epoch, st["step_in_epoch"])
                 try:
@@ -356,7 +360,9 @@ def train(cfg: Config) -> dict:
             runlog.log({"kind": "eval", "epoch": epoch + 1, "val_loss": metrics["loss"],
                         "val_accuracy": metrics["accuracy"], "val_top5": metrics["top5"],
                         "val_samples": metrics["samples"], "val_unreadable": len(unreadable_val),
+                        "skipped_samples": st["epoch_skipped_samples"],
                         "epoch_seconds": time.time() - t_epoch}, st["global_step"])
+            st["epoch_skipped_samples"] = 0
             if main:
                 log.info("epoch %d/%d: val accuracy %.4f (top5 %.4f, %d images), loss %.4f%s",
                          epoch + 1, cfg.train.epochs, metrics["accuracy"], metrics["top5"],
@@ -380,7 +386,7 @@ def train(cfg: Config) -> dict:
         "skipped_samples": st["skipped_samples"], "skipped_steps": st["skipped_steps"],
         "oom_retries": step_state.oom_retries, "micro_batch_changes": step_state.history,
         "wall_seconds": time.time() - t_start, "finished": st["finished"],
-        "unreadable_files": sorted(bad_files),
+        "unreadable_files": sorted(st["bad_files"]),
     }
     if main:
         write_json(run_dir / "summary.json", summary)
@@ -469,6 +475,19 @@ def _check_bad_fraction(bad: dict, n: int, limit: float) -> None:
             f"{len(bad)} unreadable images out of {n} (more than data.max_bad_fraction={limit:.1%}):\n  {files}",
             hint="fix or remove these files (`vramfit scan-data --data SRC` lists all), or raise "
                  "--set data.max_bad_fraction=...")
+
+
+def _gather_bad(bad: list[str], acc) -> list[str]:
+    """This step's unreadable train files from every process (one small all-reduce a step; the
+    names travel only when there are any)."""
+    if acc.num_processes == 1:
+        return list(bad)
+    import torch.distributed as dist
+    from accelerate.utils import gather_object
+
+    n = torch.tensor([len(bad)], device=acc.device, dtype=torch.int32)
+    dist.all_reduce(n)
+    return gather_object(list(bad)) if int(n) else []
 
 
 def _agree_stop(signum: int, acc) -> int:
