@@ -81,3 +81,28 @@ def test_oom_at_micro_batch_one_is_an_error():
     model, ocfg = _setup("sgd")
     with pytest.raises(MicroBatchExhausted):
         _train(model, ocfg, _data(1, 4), micro=4, oom_above=0)
+
+
+def test_oom_late_in_the_forward_leaves_no_trace():
+    """Train-mode BatchNorm and dropout; the OOM strikes at the head, after every BatchNorm layer
+    has updated its running statistics. The retry restores them (and the RNG), so the run equals one
+    that started at the micro-batch that fits: buffers included."""
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="test_resnet", drop_rate=0.3), num_classes=5, load_weights=False)
+    ocfg = OptimConfig(name="adamw", lr=1e-3)
+    batches = _data(3, 32)
+    torch.manual_seed(5)
+    ref, ref_losses, _ = _train(model, ocfg, batches, micro=8)
+
+    late = copy.deepcopy(model)
+
+    def hook(_m, args):
+        if args[0].shape[0] > 8:
+            raise torch.OutOfMemoryError("simulated, in the head")
+    late.get_classifier().register_forward_pre_hook(hook)
+    torch.manual_seed(5)
+    got, losses, state = _train(late, ocfg, batches, micro=32)
+    assert state.oom_retries == 2
+    assert _max_diff(ref, got) <= 1e-6  # state_dict: weights and BatchNorm running statistics
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert ref.state_dict()["bn1.num_batches_tracked"] == 12  # 3 steps x 4 micro-batches, no more

@@ -174,3 +174,31 @@ def test_secrets_never_reach_the_run_folder(tmp_path):
     for p in files:
         assert sentinel.encode() not in p.read_bytes(), p
     assert sentinel not in proc.stderr and sentinel not in proc.stdout
+
+
+def test_signal_between_micro_batches_undoes_the_step_and_resumes_exactly(train_cli):
+    """Accumulation 4 with dropout and drop-path: a signal before the second micro-batch of step 7
+    abandons that step on the spot (gradients and RNG put back), saves step 6, exits 143; the resumed
+    run redoes step 7 and ends bitwise equal to an uninterrupted run."""
+    args = tiny_args("--micro-batch", "4", "--set", "model.drop_rate=0.2", "--set", "model.drop_path_rate=0.1",
+                     "--set", "train.log_every_steps=1")
+    ref, code = train_cli(*args, run_name="ref")
+    assert code == 0
+    run_dir, code = train_cli(*args, "--set", "debug.signal_in_step=7", run_name="cut")
+    assert code == 143
+    (step, path), = checkpoint.list_steps(run_dir / "checkpoints")
+    assert step == 6 and checkpoint.read_state(path)["global_step"] == 6
+    assert len(_losses(run_dir)) == 6  # step 7 was never logged: it did not happen
+    run_dir, code = train_cli(*args, run_name="cut")
+    assert code == 0
+    assert _losses(run_dir) == _losses(ref)
+    assert _same(_weights(ref), _weights(run_dir))
+
+
+def test_a_written_but_unrenamed_checkpoint_is_completed_not_discarded(train_cli):
+    run_dir, code = train_cli(*tiny_args("--set", "debug.signal_at_step=3"), run_name="r")
+    assert code == 143
+    ckpts = run_dir / "checkpoints"
+    os.rename(ckpts / "step-3", ckpts / ".tmp-step-3")  # killed between the old copy's removal and the rename
+    assert checkpoint.latest(ckpts, cleanup=True) == ckpts / "step-3"
+    assert checkpoint.is_complete(ckpts / "step-3") and not (ckpts / ".tmp-step-3").exists()

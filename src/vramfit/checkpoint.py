@@ -105,6 +105,13 @@ def latest(root: Path, cleanup: bool = False) -> Path | None:
     root = Path(root)
     if cleanup and root.is_dir():
         for p in root.glob(".tmp-step-*"):
+            final = root / p.name[len(".tmp-"):]
+            if not final.exists() and is_complete(p):
+                # Killed between removing an older copy of the same step and the rename (a re-save
+                # at an epoch end): the marker vouches for every file, so finish the rename.
+                log.warning("completing checkpoint %s (its save was interrupted after it was written)", final)
+                os.rename(p, final)
+                continue
             log.warning("removing unfinished checkpoint %s (a save was interrupted)", p)
             shutil.rmtree(p, ignore_errors=True)
     for step, path in reversed(list_steps(root)):

@@ -136,6 +136,8 @@ class DebugConfig(Section):
     fault_rank: int | None = None
     # Behave as if SIGTERM arrived right after this global step (tests interruption and resume).
     signal_at_step: int | None = None
+    # Behave as if SIGTERM arrived inside this global step, before its second micro-batch.
+    signal_in_step: int | None = None
 
 
 class Config(Section):

@@ -18,7 +18,8 @@ from .config import largest_divisor_at_most
 from .errors import VramfitError
 from .metrics import ClassificationMetrics
 
-OK, THRASH, OOM, NONFINITE = 0, 1, 2, 3
+# Flags every process reports after its micro-batches; all agree on the largest (see _agree).
+OK, THRASH, OOM, NONFINITE, STOP = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -80,14 +81,22 @@ def _micro_chunks(n: int, micro: int):
 
 def train_step(accelerator, model, optimizer, images, labels, step_samples: int, state: StepState,
                *, label_smoothing: float, clip_grad_norm: float | None, loss_fn=None,
-               check_grad_norm: bool = True) -> StepResult:
+               check_grad_norm: bool = True, stop_requested=None) -> StepResult:
     """Forward/backward the process's share in micro-batches, agree, reduce, clip, step.
 
     Each micro-batch loss is a SUM over its samples divided by the samples of the whole optimizer
     batch (all processes), and gradients are SUMMED over processes: the update is the exact mean
     over the global batch for any split, including a short last micro-batch or a short last batch.
+
+    `stop_requested()` (a signal arrived) is checked between micro-batches: the step is abandoned on
+    every process, gradients and RNG state are put back as they were before it, and StepInterrupted
+    is raised, so the caller saves the state of the last completed step and a resumed run redoes
+    this one exactly. An OOM retry puts back the same: BatchNorm running statistics (a train-mode
+    forward updates them, so a half-done attempt would count its micro-batches twice) and the RNG
+    state (the retry draws the same dropout / drop-path randomness however many attempts it took).
     """
     device = accelerator.device
+    rng, buffers = _rng_state(device), _Buffers(model)
     n = labels.shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
     if _is_fsdp(accelerator):
@@ -98,7 +107,11 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
         retries_before = _alloc_retries(device)
         try:
             with accelerator.no_sync(model):
-                for s, e in _micro_chunks(n, state.micro_batch):
+                chunks = _micro_chunks(n, state.micro_batch)
+                for s, e in chunks:
+                    if stop_requested is not None and stop_requested():
+                        flag = STOP
+                        break
                     x, y = images[s:e], labels[s:e]
                     logits = model(x)
                     loss = (loss_fn or _loss)(logits, y, label_smoothing)
@@ -115,8 +128,15 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
         if flag == OK and _alloc_retries(device) > retries_before:
             flag = THRASH
         flag = _agree(flag, device)
+        if flag == STOP:
+            optimizer.zero_grad(set_to_none=True)
+            _set_rng_state(device, rng)
+            buffers.restore()
+            raise StepInterrupted()
         if flag == OOM:
             _free(optimizer, device)
+            _set_rng_state(device, rng)
+            buffers.restore()
             _shrink(state, "out of memory")
             continue
         if flag == NONFINITE:
@@ -196,6 +216,37 @@ def _fsdp_step(accelerator, model, optimizer, images, labels, step_samples, stat
     total = _sum_over_processes(torch.stack([loss_sum.float(), torch.tensor(float(correct), device=device)]))
     return StepResult(loss=float(total[0]) / step_samples, correct=int(total[1]), samples=step_samples,
                       grad_norm=grad_norm, skipped=skipped)
+
+
+class _Buffers:
+    """A copy of the model's buffers (BatchNorm running statistics) taken before a step, to undo
+    the updates of an abandoned attempt. One flat copy per dtype: two kernels a step, not hundreds."""
+
+    def __init__(self, model):
+        groups: dict = {}
+        for b in model.buffers():
+            groups.setdefault((b.dtype, b.device), []).append(b)
+        self.groups = [(bufs, _flatten_dense_tensors([b.detach() for b in bufs])) for bufs in groups.values()]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for bufs, flat in self.groups:
+            for b, saved in zip(bufs, _unflatten_dense_tensors(flat, bufs)):
+                b.copy_(saved)
+
+
+class StepInterrupted(Exception):
+    """A stop was requested between micro-batches; the step was undone on every process."""
+
+
+def _rng_state(device):
+    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device, state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 class NonFiniteLoss(Exception):

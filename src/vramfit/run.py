@@ -86,7 +86,8 @@ def train(cfg: Config) -> dict:
 
     from . import data as D
     from .augment import DeviceAugment
-    from .engine import MicroBatchExhausted, NonFiniteLoss, StepState, evaluate, oom_message, train_step
+    from .engine import (MicroBatchExhausted, NonFiniteLoss, StepInterrupted, StepState, evaluate, oom_message,
+                         train_step)
     from .models import create_model, data_config, export
     from .optim import create_optimizer, create_scheduler
 
@@ -278,15 +279,6 @@ def train(cfg: Config) -> dict:
                 data_wait += t_got - t_wait
                 if st["global_step"] == 0 or st["step_in_epoch"] == 0:
                     D.check_batch_shape(batch.images, cfg.data.image_size)
-                # Every rank counts every rank's bad files, so the counts are whole and all ranks
-                # stop together when there are too many (kept in the checkpoint across resumes).
-                for b in _gather_bad(batch.bad, acc):
-                    st["bad_files"][b] = st["bad_files"].get(b, 0) + 1
-                    st["skipped_samples"] += 1
-                    st["epoch_skipped_samples"] += 1
-                    if main:
-                        log.warning("unreadable image replaced: %s", b)
-                _check_bad_fraction(st["bad_files"], len(splits.train), cfg.data.max_bad_fraction)
                 images, labels = augment(normalize(batch.images), batch.labels.to(acc.device, non_blocking=True),
                                          epoch, st["step_in_epoch"])
                 try:
@@ -294,12 +286,31 @@ def train(cfg: Config) -> dict:
                                      label_smoothing=cfg.train.label_smoothing,
                                      clip_grad_norm=cfg.train.clip_grad_norm,
                                      check_grad_norm=precision != "fp16",
-                                     loss_fn=_nan_injector(cfg, st["global_step"] + 1, rank))
+                                     loss_fn=_nan_injector(cfg, st["global_step"] + 1, rank),
+                                     stop_requested=_stop_check(flag, cfg, st["global_step"] + 1))
+                except StepInterrupted:
+                    # Undone on every process: save the last completed step; a resume redoes this one.
+                    exit_signal = _agree_stop(flag.signum, acc) or signal.SIGTERM
+                    if main:
+                        log.warning("signal %d during global step %d: the step was undone between "
+                                    "micro-batches", exit_signal, st["global_step"] + 1)
+                    _save(acc, model, ckpt_dir, st, cfg, ema)
+                    break
                 except MicroBatchExhausted:
                     _dump_memory(run_dir, acc)
                     raise oom_message(step_state, _advice_text(cfg, num_classes, world)) from None
                 except NonFiniteLoss as e:
                     raise _nonfinite_error(e, st, batch, ckpt_dir) from None
+                # Every rank counts every rank's bad files, so the counts are whole and all ranks
+                # stop together when there are too many (kept in the checkpoint across resumes;
+                # counted once the step is done, so an undone step is not counted twice).
+                for b in _gather_bad(batch.bad, acc):
+                    st["bad_files"][b] = st["bad_files"].get(b, 0) + 1
+                    st["skipped_samples"] += 1
+                    st["epoch_skipped_samples"] += 1
+                    if main:
+                        log.warning("unreadable image replaced: %s", b)
+                _check_bad_fraction(st["bad_files"], len(splits.train), cfg.data.max_bad_fraction)
                 st["skipped_steps"] += int(res.skipped)
                 consecutive_skips = consecutive_skips + 1 if res.skipped else 0
                 if consecutive_skips >= cfg.train.max_consecutive_skipped_steps:
@@ -488,6 +499,19 @@ def _gather_bad(bad: list[str], acc) -> list[str]:
     n = torch.tensor([len(bad)], device=acc.device, dtype=torch.int32)
     dist.all_reduce(n)
     return gather_object(list(bad)) if int(n) else []
+
+
+def _stop_check(flag: SignalFlag, cfg: Config, step: int):
+    """Asked by the step before each micro-batch. `debug.signal_in_step` raises the flag before the
+    second micro-batch of that global step, as a SIGTERM arriving mid-accumulation would."""
+    asked = [0]
+
+    def stop() -> bool:
+        asked[0] += 1
+        if cfg.debug.signal_in_step == step and asked[0] == 2:
+            flag.signum = flag.signum or signal.SIGTERM
+        return flag.signum != 0
+    return stop
 
 
 def _agree_stop(signum: int, acc) -> int:
