@@ -25,6 +25,23 @@ def test_offline_hub_download_says_how_to_run_without_it(monkeypatch):
     assert "pretrained=false" in str(e.value) and "pretrained_path" in str(e.value)
 
 
+def test_offline_hf_hub_name_says_what_works_offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # nothing cached
+    with pytest.raises(VramfitError) as e:  # the architecture itself lives on the Hub: even a plan needs it
+        create_model(ModelConfig(name="hf-hub:timm/resnet18.a1_in1k", pretrained=False), 3, load_weights=False)
+    assert "Hugging Face Hub" in e.value.message and "local-dir:" in e.value.hint
+
+
+def test_local_dir_model_builds_offline(tmp_path):
+    from vramfit.models import data_config, export
+
+    src = create_model(ModelConfig(name="resnet18", pretrained=False), num_classes=4, load_weights=False)
+    export(src, tmp_path / "m", ["a", "b", "c", "d"], data_config(src, 64))
+    model = create_model(ModelConfig(name=f"local-dir:{tmp_path / 'm'}", pretrained=True), num_classes=4)
+    assert torch.equal(model.conv1.weight, src.conv1.weight)
+
+
 def test_missing_weight_file():
     with pytest.raises(VramfitError, match="does not exist"):
         create_model(ModelConfig(name="resnet18", pretrained_path="/nope.safetensors"), num_classes=3)

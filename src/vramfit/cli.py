@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 
@@ -136,10 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = run(argv)
     except VramfitError as e:
-        msg = textwrap.fill(e.message, width=100, replace_whitespace=False) if "\n" not in e.message else e.message
-        print(f"\nvramfit: error: {msg}", file=sys.stderr)
-        if e.hint:
-            print(f"HINT: {e.hint}", file=sys.stderr)
+        # Every process of a run reaches the same verdict (config, data and model checks are
+        # deterministic; OOM, NaN and bad-file stops are agreed), so one message per machine: from
+        # its first process. Other machines still print theirs (a path missing on one node only).
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            msg = textwrap.fill(e.message, width=100, replace_whitespace=False) if "\n" not in e.message else e.message
+            print(f"\nvramfit: error: {msg}", file=sys.stderr)
+            if e.hint:
+                print(f"HINT: {e.hint}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("\nvramfit: interrupted", file=sys.stderr)

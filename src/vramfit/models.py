@@ -65,6 +65,15 @@ def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True) 
                      "`--set model.pretrained=false` (random init), or download the weights once on a "
                      "machine with network and pass `--set model.pretrained_path=/path/to/model.safetensors`.",
             ) from None
+        if cfg.name.startswith("hf-hub:") and _looks_offline(e):
+            # timm reads an hf-hub model's architecture from its config.json on the Hub, even for
+            # a random init or a memory plan.
+            raise VramfitError(
+                f"Could not fetch the configuration of `{cfg.name}` from the Hugging Face Hub "
+                f"({type(e).__name__}).",
+                hint="this machine cannot reach the Hub. Use the timm architecture name instead (e.g. "
+                     "`resnet50.a1_in1k`; `vramfit plan` needs nothing else), or download the model once "
+                     "and pass its folder as `--model local-dir:/path/to/folder`.") from None
         raise VramfitError(f"Could not create model `{cfg.name}`: {type(e).__name__}: {text[:500]}",
                            hint="check the model name and model.* settings") from None
 
