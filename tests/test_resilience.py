@@ -202,3 +202,31 @@ def test_a_written_but_unrenamed_checkpoint_is_completed_not_discarded(train_cli
     os.rename(ckpts / "step-3", ckpts / ".tmp-step-3")  # killed between the old copy's removal and the rename
     assert checkpoint.latest(ckpts, cleanup=True) == ckpts / "step-3"
     assert checkpoint.is_complete(ckpts / "step-3") and not (ckpts / ".tmp-step-3").exists()
+
+
+class _Evil:
+    """A pickle that would create a folder if it were ever unpickled with weights_only=False."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (os.makedirs, (self.target,))
+
+
+def test_checkpoints_load_with_weights_only(train_cli, tmp_path):
+    run_dir, code = train_cli(*tiny_args("--set", "debug.signal_at_step=3"), run_name="w")
+    assert code == 143
+    ckpt = run_dir / "checkpoints" / "step-3"
+    target = tmp_path / "pwned"
+    torch.save({"state": _Evil(str(target)), "param_groups": []}, ckpt / "optimizer.bin")
+    # Re-vouch for the swapped file, as a program writing into the folder could.
+    marker = json.loads((ckpt / checkpoint.MARKER).read_text())
+    marker["files"]["optimizer.bin"] = checkpoint._sha256(ckpt / "optimizer.bin")
+    (ckpt / checkpoint.MARKER).write_text(json.dumps(marker))
+    from vramfit.errors import VramfitError
+
+    with pytest.raises(VramfitError, match="Could not load checkpoint") as e:
+        train_cli(*tiny_args(), run_name="w")
+    assert "--resume never" in e.value.hint and "Unpickl" in e.value.message  # refused, not executed
+    assert not target.exists()

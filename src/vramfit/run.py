@@ -227,7 +227,14 @@ def train(cfg: Config) -> dict:
           "world_size": world, "global_batch": cfg.train.global_batch, "finished": False,
           "fingerprint": _fingerprint(cfg)}
     if resume_from:
-        acc.load_state(str(resume_from))
+        try:  # Accelerate loads every pickle with weights_only=True (numpy RNG types allow-listed)
+            acc.load_state(str(resume_from))
+        except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be loaded safely is reported, not run
+            raise VramfitError(
+                f"Could not load checkpoint {resume_from}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                hint="resume from an older checkpoint (--resume PATH), or start over with --resume never "
+                     "(files there may have been written by another program: nothing in them was executed)"
+            ) from None
         checkpoint.verify_rng_restored(resume_from, rank)
         if ema is not None:
             checkpoint.load_extra(resume_from, "ema", ema.module)
