@@ -68,3 +68,27 @@ def test_auto_on_cpu_runs_the_whole_share(train_cli):
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["micro_batch"] == 16 and "auto on CPU" in plan["reason"]
     assert plan["predicted_peak_bytes"] > 0 and plan["estimate"]["params_bytes"] > 0
+
+
+def test_auto_plans_for_the_memory_other_processes_leave(tmp_path, monkeypatch, caplog):
+    """A 12 GiB card where another process holds 10 GiB: `auto` plans for what is left and says why."""
+    from vramfit.config import Config
+    from vramfit.memory import auto_micro_batch
+
+    monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path))
+    total = 12 * 2**30
+    held_by_others = [0]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": total})())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"Fake 12GB ({held_by_others[0]})")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda d: (total - 400 * 2**20 - held_by_others[0], total))  # our context + others
+    cfg = Config.model_validate({"model": {"name": "resnet18"}, "train": {"precision": "bf16"},
+                                 "data": {"image_size": 224}, "hardware": {"memory_gib": 12}})
+    alone = auto_micro_batch(cfg, 10, 128, device=torch.device("cuda", 0))
+    assert "other processes" not in caplog.text
+    held_by_others[0] = 10 * 2**30
+    shared = auto_micro_batch(cfg, 10, 128, device=torch.device("cuda", 0))
+    assert shared["budget_bytes"] < 2 * 2**30 < 10 * 2**30 < alone["budget_bytes"]
+    assert shared["micro_batch"] < alone["micro_batch"]
+    assert "other processes hold about 10.0 GiB" in caplog.text

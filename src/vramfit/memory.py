@@ -110,6 +110,21 @@ def cuda_probe(model, optimizer_state_bytes: int, image_size: int, num_classes: 
     return probe
 
 
+def usable_bytes(device) -> int:
+    """What this process can have: the card's free memory plus what it already holds (its cache and,
+    as the planner counts it, its CUDA context). Memory held by other processes (a desktop, another
+    run, a notebook kernel) is not usable, and is named in a warning."""
+    from .planner import CUDA_CONTEXT_BYTES
+
+    free, total = torch.cuda.mem_get_info(device)
+    usable = min(total, free + torch.cuda.memory_reserved(device) + CUDA_CONTEXT_BYTES)
+    others = total - usable
+    if others > 0.05 * total:
+        log.warning("other processes hold about %.1f GiB of this GPU (see nvidia-smi): planning for the "
+                    "%.1f GiB left", others / 2**30, usable / 2**30)
+    return usable
+
+
 def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, device=None) -> dict:
     """Plan (and on a GPU with `model` given, probe) the micro-batch for `micro_batch: auto`."""
     from .planner import pick_micro_batch
@@ -117,7 +132,7 @@ def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, d
     device = device or torch.device("cuda")
     total = torch.cuda.get_device_properties(device).total_memory
     gib = cfg.hardware.memory_gib
-    budget = int(min(total, gib * 2**30 if gib else total) * (1 - cfg.hardware.safety_margin))
+    budget = int(min(total, gib * 2**30 if gib else total, usable_bytes(device)) * (1 - cfg.hardware.safety_margin))
     name = torch.cuda.get_device_name(device)
     key = cache_key(cfg, name, per_proc, num_classes)
     hit = cached(key)

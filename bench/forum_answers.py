@@ -1,0 +1,64 @@
+"""The 12 GB RTX 3060 questions (docs/faq.md), answered by the memory planner. CPU only, ~1 minute.
+
+ResNet50 (and EfficientNet-B0) fine-tuning at 224 px with AdamW, 10 classes; "batch" is the number of
+images per forward/backward. Prints a markdown table of predicted peaks (what nvidia-smi would show)
+and the largest power-of-two batch that fits 12 GiB less the 10% safety margin.
+
+    python bench/forum_answers.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from vramfit.config import Config
+from vramfit.planner import estimate, pick_micro_batch
+
+GiB = 2**30
+STAGES = ["conv1", "bn1", "layer1", "layer2"]
+
+
+def cfg(model="resnet50", size=224, ckpt=False, freeze=(), bn="train") -> Config:
+    return Config.model_validate({
+        "model": {"name": model, "grad_checkpointing": ckpt, "freeze": list(freeze), "bn": bn},
+        "data": {"image_size": size}, "hardware": {"memory_gib": 12}})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--memory-gib", type=float, default=12.0)
+    args = ap.parse_args()
+    t0 = time.time()
+    rows = [
+        ("ResNet50, fp32, batch 8", cfg(), 8, "no"),
+        ("ResNet50, fp32, batch 16", cfg(), 16, "no"),
+        ("ResNet50, fp32, batch 32", cfg(), 32, "no"),
+        ("ResNet50, fp32, batch 64", cfg(), 64, "no"),
+        ("ResNet50, fp16 autocast, batch 32", cfg(), 32, "fp16"),
+        ("ResNet50, bf16 autocast, batch 32", cfg(), 32, "bf16"),
+        ("ResNet50, fp32, batch 32, gradient checkpointing", cfg(ckpt=True), 32, "no"),
+        ("ResNet50, fp32, batch 32, conv1..layer2 frozen", cfg(freeze=STAGES, bn="freeze"), 32, "no"),
+        ("ResNet50, fp32, batch 32, at 448 px", cfg(size=448), 32, "no"),
+        ("ResNet50, fp32, batch 32, at 1024 px (resize not applied)", cfg(size=1024), 32, "no"),
+        ("EfficientNet-B0, fp32, batch 32", cfg("efficientnet_b0"), 32, "no"),
+        ("EfficientNet-B0, bf16 autocast, batch 32", cfg("efficientnet_b0"), 32, "bf16"),
+    ]
+    print("| configuration | predicted peak | of which activations |")
+    print("|---|---|---|")
+    for name, c, batch, prec in rows:
+        e = estimate(c, 10, batch, prec, per_process_batch=batch)
+        print(f"| {name} | {e.peak_bytes / GiB:.2f} GiB | {e.activations_bytes / GiB:.2f} GiB |")
+    budget = int(args.memory_gib * GiB * 0.9)
+    print(f"\nLargest power-of-two batch within {args.memory_gib:g} GiB less 10% ({budget / GiB:.1f} GiB):")
+    for name, c, prec in (("ResNet50 fp32", cfg(), "no"), ("ResNet50 fp16", cfg(), "fp16"),
+                          ("ResNet50 bf16", cfg(), "bf16"),
+                          ("EfficientNet-B0 fp32", cfg("efficientnet_b0"), "no")):
+        pick, table = pick_micro_batch(c, 10, 512, budget, precision=prec)
+        peak = next(e.peak_bytes for e in table if e.micro_batch == pick) if pick else None
+        print(f"- {name}: {pick}" + (f" ({peak / GiB:.2f} GiB)" if peak else ""))
+    print(f"\n({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
