@@ -230,3 +230,31 @@ def test_checkpoints_load_with_weights_only(train_cli, tmp_path):
         train_cli(*tiny_args(), run_name="w")
     assert "--resume never" in e.value.hint and "Unpickl" in e.value.message  # refused, not executed
     assert not target.exists()
+
+
+def _fake_scaler_skips(monkeypatch, pattern):
+    """Make the optimizer report GradScaler skips (fp16 needs CUDA; the counting does not)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    calls = [0]
+
+    def skipped(self):
+        calls[0] += 1
+        return pattern(calls[0])
+    monkeypatch.setattr(AcceleratedOptimizer, "step_was_skipped", property(skipped))
+
+
+def test_scaler_skips_are_counted(train_cli, monkeypatch):
+    _fake_scaler_skips(monkeypatch, lambda n: n % 3 == 0)  # every third step skipped
+    run_dir, code = train_cli(*tiny_args(), run_name="skips")
+    assert code == 0
+    assert json.loads((run_dir / "summary.json").read_text())["skipped_steps"] == 10  # of 30
+
+
+def test_consecutive_scaler_skips_stop_the_run(train_cli, monkeypatch):
+    from vramfit.errors import VramfitError
+
+    _fake_scaler_skips(monkeypatch, lambda n: n >= 4)  # diverges from step 4 on
+    with pytest.raises(VramfitError, match="5 optimizer steps in a row were skipped") as e:
+        train_cli(*tiny_args("--set", "train.max_consecutive_skipped_steps=5"), run_name="div")
+    assert e.value.exit_code == 4 and "bf16" in e.value.hint
