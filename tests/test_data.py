@@ -550,3 +550,19 @@ def test_bad_file_counts_survive_a_resume(messy, train_cli):
     assert summary["skipped_samples"] == 4 and len(summary["unreadable_files"]) == 4
     (ev,) = [m for m in metrics(run_dir) if m["kind"] == "eval"]
     assert ev["skipped_samples"] == 4
+
+
+def test_train_and_val_split_names_are_chosen_and_checked(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": hub_style(6), "full": hub_style(12), "holdout": hub_style(3),
+                          "test": hub_style(4)}).save_to_disk(str(tmp_path / "dd"))
+    src = D.load_source(cfg(tmp_path / "dd", train_split="full", val_split="holdout"))
+    assert (len(src.train), len(src.val)) == (12, 3)
+    assert any("unused split(s): train, test" in n for n in src.notes)
+    default = D.load_source(cfg(tmp_path / "dd"))  # train, and the first validation-like name
+    assert (len(default.train), len(default.val)) == (6, 4)
+    for key in ("train_split", "val_split"):
+        with pytest.raises(VramfitError, match=f"data.{key} `nope` is not a split") as e:
+            D.load_source(cfg(tmp_path / "dd", **{key: "nope"}))
+        assert "full" in e.value.message + (e.value.hint or "")
