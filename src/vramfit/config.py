@@ -85,6 +85,9 @@ class TrainConfig(Section):
     clip_grad_norm: float | None = 1.0
     seed: int = 0
     log_every_steps: int = Field(10, ge=1)
+    # CUDA: let cuDNN time its convolution algorithms for each input shape and keep the fastest
+    # (input shapes are fixed here, so it pays off after the first step; as timm's train.py does).
+    cudnn_benchmark: bool = True
     # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
     max_consecutive_skipped_steps: int = Field(25, ge=1)
 

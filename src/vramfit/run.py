@@ -114,6 +114,8 @@ def train(cfg: Config) -> dict:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if precision_note and main:
         log.warning("precision: %s", precision_note)
+    if device_type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     if device_type == "cpu" and os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and main:
         log.warning("distributed: the launch config asks for FSDP, which needs CUDA GPUs; on CPU the "
                     "%d process(es) run plain data parallel (every process holds the whole model)", world)
