@@ -420,6 +420,15 @@ def train(cfg: Config) -> dict:
             log.warning("Stopped by signal %d at global step %d; checkpoint saved. Re-run the same "
                         "command to resume.", exit_signal, st["global_step"])
         raise SystemExit(128 + int(exit_signal))
+    if main:
+        peak = summary["peak_memory_bytes"]
+        ips = summary["images_per_second"]
+        log.info("done in %.0f s: best val accuracy %.4f (step %s), %s img/s, device peak %s, %d skipped "
+                 "image(s), %d OOM retr%s\n  run folder: %s (summary.json; best weights in model/)",
+                 summary["wall_seconds"], st["best_accuracy"] or 0.0, st["best_step"],
+                 f"{ips:.0f}" if ips else "n/a", f"{peak / 2**30:.2f} GiB" if peak else "n/a (CPU)",
+                 summary["skipped_samples"], summary["oom_retries"],
+                 "y" if summary["oom_retries"] == 1 else "ies", run_dir)
     return summary
 
 
