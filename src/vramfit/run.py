@@ -406,6 +406,9 @@ def train(cfg: Config) -> dict:
         "num_processes": world, "precision": precision,
         "images_per_second": total_train_samples / total_train_time if total_train_time else None,
         "peak_memory_bytes": torch.cuda.max_memory_reserved(acc.device) if device_type == "cuda" else None,
+        # The planner's figure for the same quantity (allocator reserve, no CUDA context), at the
+        # micro-batch the run started with: the two side by side show how good the plan was.
+        "predicted_peak_memory_bytes": (plan.get("estimate") or {}).get("reserved_bytes"),
         "skipped_samples": st["skipped_samples"], "skipped_steps": st["skipped_steps"],
         "oom_retries": step_state.oom_retries, "micro_batch_changes": step_state.history,
         "wall_seconds": time.time() - t_start, "finished": st["finished"],
@@ -421,12 +424,16 @@ def train(cfg: Config) -> dict:
                         "command to resume.", exit_signal, st["global_step"])
         raise SystemExit(128 + int(exit_signal))
     if main:
-        peak = summary["peak_memory_bytes"]
+        peak, predicted = summary["peak_memory_bytes"], summary["predicted_peak_memory_bytes"]
         ips = summary["images_per_second"]
+        if peak and predicted:
+            peak_text = f"{peak / 2**30:.2f} GiB reserved (planned {predicted / 2**30:.2f})"
+        else:
+            peak_text = f"{peak / 2**30:.2f} GiB reserved" if peak else "n/a (CPU)"
         log.info("done in %.0f s: best val accuracy %.4f (step %s), %s img/s, device peak %s, %d skipped "
                  "image(s), %d OOM retr%s\n  run folder: %s (summary.json; best weights in model/)",
                  summary["wall_seconds"], st["best_accuracy"] or 0.0, st["best_step"],
-                 f"{ips:.0f}" if ips else "n/a", f"{peak / 2**30:.2f} GiB" if peak else "n/a (CPU)",
+                 f"{ips:.0f}" if ips else "n/a", peak_text,
                  summary["skipped_samples"], summary["oom_retries"],
                  "y" if summary["oom_retries"] == 1 else "ies", run_dir)
     return summary
