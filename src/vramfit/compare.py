@@ -13,6 +13,7 @@ from .errors import VramfitError
 COLUMNS = [("run", None), ("model", None), ("size", None), ("precision", "precision"),
            ("batch g=m×a×p", None), ("best acc", "best_accuracy"), ("final acc", "final_accuracy"),
            ("epochs", "epochs"), ("img/s", "images_per_second"), ("peak GiB", "peak_memory_bytes"),
+           ("planned GiB", "predicted_peak_memory_bytes"),
            ("OOM retries", "oom_retries"), ("skipped", "skipped_samples"), ("wall s", "wall_seconds")]
 
 
@@ -39,7 +40,7 @@ def _cell(run: dict, name: str, key: str | None) -> str:
     v = s.get(key)
     if v is None:
         return "-"
-    if key == "peak_memory_bytes":
+    if key in ("peak_memory_bytes", "predicted_peak_memory_bytes"):
         return f"{v / 2**30:.2f}"
     if isinstance(v, float):
         return f"{v:.4f}" if "accuracy" in key else f"{v:.1f}"
