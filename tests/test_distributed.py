@@ -85,6 +85,10 @@ def test_no_gradient_allreduce_inside_micro_batches(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["ddp_allreduce_calls"] == 0
+    # Our own sums start only once the 4th (last) micro-batch is running, and cover every
+    # gradient exactly once per step.
+    assert {i for i, _ in res["grad_reduces"]} == {4}
+    assert sum(n for _, n in res["grad_reduces"]) == 3 * res["n_params"]
     # Same three steps on one process over the whole 16-sample batch.
     from accelerate import Accelerator
 

@@ -53,26 +53,84 @@ def _agree(flag: int, device) -> int:
     return int(t.item())
 
 
-def allreduce_grads(params, bucket_bytes: int = 32 * 2**20) -> None:
-    """Sum gradients over processes in flat buckets.
+class GradReducer:
+    """Sums gradients over processes in fixed flat buckets, overlapped with the last backward.
 
-    Written by hand because DDP's reducer fires inside backward, before we know whether some other
-    rank ran out of memory; reducing after the agreement keeps every rank able to retry the batch.
+    Written by hand because DDP's reducer cannot be told to stand down when some other rank ran out
+    of memory: a rank that never reaches the reduction leaves the others waiting in a collective.
+    Here every bucket is an async all-reduce launched, in a fixed order, as soon as the last
+    micro-batch's backward has finished its gradients (as DDP overlaps communication with backward);
+    a process that stops early (out of memory, a signal) launches the buckets it has not launched
+    with whatever its gradients hold. So every process issues the same collectives in the same
+    order, the status flag agreed after them can never be left waiting, and the sums are used only
+    when every process succeeded.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    bucket, size = [], 0
-    for g in grads + [None]:
-        if g is not None:
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-        if bucket and (g is None or size >= bucket_bytes):
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat)
-            for t, r in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                t.copy_(r)
-            bucket, size = [], 0
+
+    def __init__(self, params: list, bucket_bytes: int = 25 * 2**20):
+        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.params = params
+        # Reverse registration order: roughly the order backward finishes gradients in.
+        order = list(range(len(params)))[::-1]
+        self.buckets, bucket, size = [], [], 0
+        for i in order:
+            bucket.append(i)
+            size += params[i].numel() * params[i].element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self.buckets.append(bucket)
+        self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.pending = [set(b) for b in self.buckets]
+        self.launched: list = []  # (bucket, flat, work)
+        self.hooks: list = []
+
+    def arm(self) -> None:
+        """Before the last micro-batch: launch each bucket when its gradients are final."""
+        if not self.active:
+            return
+        self._reset()
+        for i, p in enumerate(self.params):
+            self.hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i)))
+
+    def _ready(self, i: int) -> None:
+        self.pending[self.bucket_of[i]].discard(i)
+        while len(self.launched) < len(self.buckets) and not self.pending[len(self.launched)]:
+            self._launch(len(self.launched))
+
+    def _launch(self, b: int) -> None:
+        grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
+                 for i in self.buckets[b]]
+        flat = _flatten_dense_tensors(grads)
+        self.launched.append((b, flat, dist.all_reduce(flat, async_op=True)))
+
+    def launch_rest(self) -> None:
+        """After the micro-batches, however they ended: every bucket not yet launched, in order."""
+        if not self.active:
+            return
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        while len(self.launched) < len(self.buckets):
+            self._launch(len(self.launched))
+
+    def finish(self, apply: bool) -> None:
+        """Wait for the sums; write them into the gradients only if the step goes ahead."""
+        if not self.active:
+            return
+        for b, flat, work in self.launched:
+            work.wait()
+            if apply:
+                ps = [self.params[i] for i in self.buckets[b]]
+                for p, r in zip(ps, _unflatten_dense_tensors(flat, [p.data for p in ps])):
+                    if p.grad is None:
+                        p.grad = r.clone()
+                    else:
+                        p.grad.copy_(r)
+        self._reset()
 
 
 def _micro_chunks(n: int, micro: int):
@@ -102,16 +160,19 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
     if _is_fsdp(accelerator):
         return _fsdp_step(accelerator, model, optimizer, images, labels, step_samples, state,
                           label_smoothing, clip_grad_norm, loss_fn, check_grad_norm)
+    reducer = GradReducer(params)
     while True:
         flag, loss_sum, correct = OK, torch.zeros((), device=device), 0
         retries_before = _alloc_retries(device)
         try:
             with accelerator.no_sync(model):
                 chunks = _micro_chunks(n, state.micro_batch)
-                for s, e in chunks:
+                for k, (s, e) in enumerate(chunks):
                     if stop_requested is not None and stop_requested():
                         flag = STOP
                         break
+                    if k == len(chunks) - 1:
+                        reducer.arm()
                     x, y = images[s:e], labels[s:e]
                     logits = model(x)
                     loss = (loss_fn or _loss)(logits, y, label_smoothing)
@@ -123,11 +184,13 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
             if not _is_oom(e):
                 raise
             flag = OOM
+        reducer.launch_rest()
         if flag == OK and not math.isfinite(float(loss_sum)):
             flag = NONFINITE
         if flag == OK and _alloc_retries(device) > retries_before:
             flag = THRASH
         flag = _agree(flag, device)
+        reducer.finish(apply=flag in (OK, THRASH))
         if flag == STOP:
             optimizer.zero_grad(set_to_none=True)
             _set_rng_state(device, rng)
@@ -144,7 +207,6 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
             raise NonFiniteLoss(float(loss_sum))
         break
 
-    allreduce_grads(params)
     # The norm is computed even without clipping: it is logged, and a non-finite one (bf16/fp32;
     # fp16's GradScaler handles its own) must stop the run before the update, not after.
     grad_norm = float(accelerator.clip_grad_norm_(params, clip_grad_norm or float("inf")))
