@@ -1,4 +1,9 @@
-"""Run under torchrun (2 CPU processes): counts DDP gradient all-reduces during micro-batched steps."""
+"""Run under torchrun (2 CPU processes): counts DDP gradient all-reduces during micro-batched steps.
+
+`probe.py OUT`: 4 micro-batches a step. `probe.py OUT oom-in-backward`: tiny gradient buckets, and
+process 1 runs out of memory in the middle of a backward (after some of its buckets were launched)
+whenever a micro-batch holds more than 2 samples; both processes must retry and end as one would.
+"""
 import json
 import sys
 
@@ -43,14 +48,33 @@ def recording_all_reduce(tensor, *args, **kwargs):
 
 
 torch.distributed.all_reduce = recording_all_reduce
+
+oom_mode = sys.argv[2:] == ["oom-in-backward"]
+step_start, launched_before_error = [0], []
+if oom_mode:
+    from vramfit import engine
+
+    engine.BUCKET_BYTES = 4096  # many buckets, so some are in flight when the error strikes
+    size = [0]
+    net = acc.unwrap_model(model)
+    net.register_forward_pre_hook(lambda _m, args: size.__setitem__(0, args[0].shape[0]))
+
+    def fail_in_backward(grad):
+        # Only in the last micro-batch (the 2nd of 4 samples each), whose buckets are being launched.
+        if acc.process_index == 1 and size[0] > 2 and forwards[0] == 2:
+            launched_before_error.append(len(grad_reduces) - step_start[0])
+            raise torch.OutOfMemoryError("simulated, in the middle of backward")
+        return grad
+    net.layer1[0].conv1.weight.register_hook(fail_in_backward)
 g = torch.Generator().manual_seed(1)
-state = StepState(micro_batch=2, per_process_batch=8)
+state = StepState(micro_batch=4 if oom_mode else 2, per_process_batch=8)
 for _ in range(3):
     x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 5, (16,), generator=g)
     share = slice(acc.process_index * 8, (acc.process_index + 1) * 8)
-    forwards[0] = 0
+    forwards[0], step_start[0] = 0, len(grad_reduces)
     train_step(acc, model, opt, x[share], y[share], 16, state, label_smoothing=0.0, clip_grad_norm=None)
 weights = {k: v.sum().item() for k, v in acc.unwrap_model(model).state_dict().items()}
-if acc.is_main_process:
-    json.dump({"ddp_allreduce_calls": len(ddp_calls), "weights": weights, "grad_reduces": grad_reduces,
-               "n_params": n_params}, open(sys.argv[1], "w"))
+json.dump({"ddp_allreduce_calls": len(ddp_calls), "weights": weights, "grad_reduces": grad_reduces,
+           "n_params": n_params, "oom_retries": state.oom_retries, "micro_batch": state.micro_batch,
+           "launched_before_error": launched_before_error},
+          open(f"{sys.argv[1]}.{acc.process_index}", "w"))

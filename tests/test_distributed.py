@@ -78,18 +78,41 @@ def test_oom_on_one_rank_recovers_on_all(folder, tmp_path):
 def test_no_gradient_allreduce_inside_micro_batches(tmp_path):
     """4 micro-batches per process per step: DDP's reducer never fires (gradients are reduced once,
     after all processes agree the step succeeded), and the result equals one process on the batch."""
-    out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(REPO / "tests" / "_ddp_no_sync_probe.py"), str(out)], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = _probe(tmp_path)[0]
     assert res["ddp_allreduce_calls"] == 0
     # Our own sums start only once the 4th (last) micro-batch is running, and cover every
     # gradient exactly once per step.
     assert {i for i, _ in res["grad_reduces"]} == {4}
     assert sum(n for _, n in res["grad_reduces"]) == 3 * res["n_params"]
-    # Same three steps on one process over the whole 16-sample batch.
+    _assert_equals_one_process(res["weights"])
+
+
+def test_oom_in_the_middle_of_backward_on_one_rank(tmp_path):
+    """Process 1 fails inside a backward while its first gradient buckets are already in flight
+    (process 0's are all launched): neither is left waiting, both retry at micro-batch 2, and the
+    weights equal one process's."""
+    r0, r1 = _probe(tmp_path, "oom-in-backward")
+    for r in (r0, r1):
+        assert (r["oom_retries"], r["micro_batch"]) == (1, 2)
+    # Process 1 had launched some of its buckets when the error struck; it launched the rest, and
+    # then the retry's: more gradient sums than one per parameter per step.
+    assert len(r1["launched_before_error"]) == 1 and r1["launched_before_error"][0] > 0
+    assert sum(n for _, n in r1["grad_reduces"]) == 4 * r1["n_params"]
+    assert r0["weights"] == r1["weights"]
+    _assert_equals_one_process(r0["weights"])
+
+
+def _probe(tmp_path, *mode):
+    out = tmp_path / "probe.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "tests" / "_ddp_no_sync_probe.py"), str(out), *mode], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"probe.json.{rank}").read_text()) for rank in (0, 1)]
+
+
+def _assert_equals_one_process(weights):
+    """The probe's three steps on one process over the whole 16-sample batch."""
     from accelerate import Accelerator
 
     from vramfit.config import ModelConfig, OptimConfig
@@ -108,9 +131,9 @@ def test_no_gradient_allreduce_inside_micro_batches(tmp_path):
         x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 5, (16,), generator=g)
         train_step(acc, model, opt, x, y, 16, state, label_smoothing=0.0, clip_grad_norm=None)
     single = {k: v.sum().item() for k, v in model.state_dict().items()}
-    assert single.keys() == res["weights"].keys()
+    assert single.keys() == weights.keys()
     for k in single:
-        assert single[k] == pytest.approx(res["weights"][k], abs=1e-4), k
+        assert single[k] == pytest.approx(weights[k], abs=1e-4), k
 
 
 @pytest.fixture(scope="module")

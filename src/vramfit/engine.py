@@ -53,6 +53,9 @@ def _agree(flag: int, device) -> int:
     return int(t.item())
 
 
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
 class GradReducer:
     """Sums gradients over processes in fixed flat buckets, overlapped with the last backward.
 
@@ -66,7 +69,8 @@ class GradReducer:
     when every process succeeded.
     """
 
-    def __init__(self, params: list, bucket_bytes: int = 25 * 2**20):
+    def __init__(self, params: list, bucket_bytes: int | None = None):
+        bucket_bytes = bucket_bytes or BUCKET_BYTES
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.params = params
         # Reverse registration order: roughly the order backward finishes gradients in.
