@@ -172,3 +172,8 @@ def test_compare_lines_runs_up(quickstart, tmp_path, capsys):
     assert "64=16×4×1" in text and "64=64×1×1" in text and "0.5000" in text
     with pytest.raises(VramfitError):
         compare([str(tmp_path / "missing")])
+    twin = tmp_path / "elsewhere" / run_dir.name  # the same run name under another output folder
+    shutil.copytree(run_dir, twin, ignore=shutil.ignore_patterns("checkpoints", "model"))
+    compare([str(run_dir), str(twin)])
+    text = capsys.readouterr().out
+    assert f"elsewhere/{run_dir.name}" in text and f"{run_dir.parent.name}/{run_dir.name}" in text

@@ -30,7 +30,7 @@ def load_run(path: Path) -> dict:
 def _cell(run: dict, name: str, key: str | None) -> str:
     s, c = run["summary"], run["config"]
     if name == "run":
-        return run["path"].name
+        return run["label"]
     if name == "model":
         return str(c.get("model", {}).get("name", "?"))
     if name == "size":
@@ -68,6 +68,10 @@ def compare(paths: list[str], sort: str = "best_accuracy", as_json: bool = False
     if not runs:
         raise VramfitError("No finished runs found.", hint="pass run folders or an output folder (runs/)")
     runs.sort(key=lambda r: (r["summary"].get(sort) is None, -(r["summary"].get(sort) or 0)))
+    names = [r["path"].name for r in runs]
+    for r in runs:  # the same run name under two output folders: say which is which
+        r["label"] = (f"{r['path'].parent.name}/{r['path'].name}" if names.count(r["path"].name) > 1
+                      else r["path"].name)
     if as_json:
         out.write(json.dumps([{"run": str(r["path"]), **r["summary"]} for r in runs], indent=1) + "\n")
     else:
