@@ -258,3 +258,24 @@ def test_consecutive_scaler_skips_stop_the_run(train_cli, monkeypatch):
     with pytest.raises(VramfitError, match="5 optimizer steps in a row were skipped") as e:
         train_cli(*tiny_args("--set", "train.max_consecutive_skipped_steps=5"), run_name="div")
     assert e.value.exit_code == 4 and "bf16" in e.value.hint
+
+
+def test_signal_during_evaluation_saves_the_trained_epoch(train_cli, reference):
+    """A long evaluation is no reason to lose an epoch: the signal is agreed between evaluation
+    batches, the epoch's trained state is saved, and the resumed run evaluates and goes on exactly."""
+    run_dir, code = train_cli(*ARGS, "--set", "debug.signal_in_eval=1", run_name="evalcut")
+    assert code == 143
+    (step, path), = checkpoint.list_steps(run_dir / "checkpoints")
+    state = checkpoint.read_state(path)
+    assert step == 30 and (state["epoch"], state["step_in_epoch"]) == (0, 30)
+    assert _evals(run_dir) == []
+    run_dir, code = train_cli(*ARGS, run_name="evalcut")
+    assert code == 0
+    assert _same(_weights(reference), _weights(run_dir))
+    assert _losses(run_dir) == _losses(reference)
+    assert _evals(run_dir) == _evals(reference)
+
+
+def _evals(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["epoch"], r["val_accuracy"]) for r in rows if r["kind"] == "eval"]

@@ -141,6 +141,8 @@ class DebugConfig(Section):
     signal_at_step: int | None = None
     # Behave as if SIGTERM arrived inside this global step, before its second micro-batch.
     signal_in_step: int | None = None
+    # Behave as if SIGTERM arrived during the evaluation after this epoch (1-based), before its 2nd batch.
+    signal_in_eval: int | None = None
 
 
 class Config(Section):

@@ -353,14 +353,20 @@ class MicroBatchExhausted(Exception):
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader, num_classes: int, eval_micro: list[int], normalize) -> dict:
+def evaluate(accelerator, model, loader, num_classes: int, eval_micro: list[int], normalize,
+             stop_requested=None) -> dict:
     """Exact accuracy over the validation set across processes (`gather_for_metrics` drops the
     samples the sharded loader repeats to even out the last batch). `eval_micro` is a one-element
-    list so an OOM-driven reduction persists across calls."""
+    list so an OOM-driven reduction persists across calls. A stop requested during a long evaluation
+    is agreed between batches and raises StepInterrupted: evaluation changes nothing, so the caller
+    saves the trained state at once and a resumed run evaluates again."""
     model.eval()
     metrics = ClassificationMetrics(num_classes)
     bad, loss_sum = [], 0.0
     for batch in loader:
+        if stop_requested is not None and _agree(STOP if stop_requested() else OK, accelerator.device) == STOP:
+            model.train()
+            raise StepInterrupted()
         x, y = normalize(batch.images), batch.labels.to(accelerator.device)
         while True:
             try:

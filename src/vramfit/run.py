@@ -299,7 +299,8 @@ def train(cfg: Config) -> dict:
                                      clip_grad_norm=cfg.train.clip_grad_norm,
                                      check_grad_norm=precision != "fp16",
                                      loss_fn=_nan_injector(cfg, st["global_step"] + 1, rank),
-                                     stop_requested=_stop_check(flag, cfg, st["global_step"] + 1))
+                                     stop_requested=_stop_check(
+                                         flag, cfg.debug.signal_in_step == st["global_step"] + 1))
                 except StepInterrupted:
                     # Undone on every process: save the last completed step; a resume redoes this one.
                     exit_signal = _agree_stop(flag.signum, acc) or signal.SIGTERM
@@ -371,7 +372,17 @@ def train(cfg: Config) -> dict:
             # ---- end of epoch: evaluate, keep the best weights, checkpoint
             _sync_bn(acc, model)
             eval_model = ema.module if ema is not None else model
-            metrics = evaluate(acc, eval_model, val_loader, num_classes, eval_micro, normalize)
+            try:
+                metrics = evaluate(acc, eval_model, val_loader, num_classes, eval_micro, normalize,
+                                   stop_requested=_stop_check(flag, cfg.debug.signal_in_eval == epoch + 1))
+            except StepInterrupted:
+                # The epoch's steps are done and saved as such: a resume goes straight to evaluation.
+                exit_signal = _agree_stop(flag.signum, acc) or signal.SIGTERM
+                if main:
+                    log.warning("signal %d during the evaluation of epoch %d: saving the trained state",
+                                exit_signal, epoch + 1)
+                _save(acc, model, ckpt_dir, st, cfg, ema)
+                break
             unreadable_val = metrics.pop("unreadable")
             st["final_accuracy"] = metrics["accuracy"]
             st["epoch"], st["step_in_epoch"] = epoch + 1, 0
@@ -529,14 +540,15 @@ def _gather_bad(bad: list[str], acc) -> list[str]:
     return gather_object(list(bad)) if int(n) else []
 
 
-def _stop_check(flag: SignalFlag, cfg: Config, step: int):
-    """Asked by the step before each micro-batch. `debug.signal_in_step` raises the flag before the
-    second micro-batch of that global step, as a SIGTERM arriving mid-accumulation would."""
+def _stop_check(flag: SignalFlag, inject: bool):
+    """Asked before each micro-batch of a step, or each batch of an evaluation. `inject`
+    (debug.signal_in_step / signal_in_eval) raises the flag before the second one, as a SIGTERM
+    arriving in the middle would."""
     asked = [0]
 
     def stop() -> bool:
         asked[0] += 1
-        if cfg.debug.signal_in_step == step and asked[0] == 2:
+        if inject and asked[0] == 2:
             flag.signum = flag.signum or signal.SIGTERM
         return flag.signum != 0
     return stop
