@@ -92,3 +92,19 @@ def test_auto_plans_for_the_memory_other_processes_leave(tmp_path, monkeypatch, 
     assert shared["budget_bytes"] < 2 * 2**30 < 10 * 2**30 < alone["budget_bytes"]
     assert shared["micro_batch"] < alone["micro_batch"]
     assert "other processes hold about 10.0 GiB" in caplog.text
+
+
+def test_resume_continues_at_the_micro_batch_the_run_came_down_to(train_cli):
+    """Interrupted after out-of-memory errors took it from 32 to 8: the resumed run starts at 8 (no
+    new errors), as the uninterrupted run would have gone on."""
+    base = tiny_args("--global-batch", "32", "--set", "model.bn=freeze", "--set", "train.log_every_steps=1",
+                     "--set", "debug.simulate_oom_above=8")
+    run_dir, code = train_cli(*base, "--set", "debug.signal_at_step=3", run_name="cut")
+    assert code == 143
+    run_dir, code = train_cli(*base, run_name="cut")
+    assert code == 0
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["micro_batch"] == 8 and s["oom_retries"] == 2 and s["micro_batch_changes"] == []
+    ref, code = train_cli(*base, run_name="ref")
+    a, b = _weights(ref), _weights(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)

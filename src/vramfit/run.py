@@ -250,6 +250,16 @@ def train(cfg: Config) -> dict:
             log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", resume_from,
                      st["epoch"], st["step_in_epoch"], st["global_step"])
     step_state = StepState(micro_batch=micro, per_process_batch=per_proc, oom_retries=st["oom_retries"])
+    came_down_to = (resumed_state or {}).get("micro_batch")
+    if (resume_from and isinstance(came_down_to, int) and came_down_to < micro and per_proc % came_down_to == 0
+            and resumed_state.get("world_size") == world and not cfg.allow_resume_change):
+        # The interrupted run had to split its batches further after running out of memory; going
+        # back up would run out again, and with train-mode BatchNorm would change the maths.
+        step_state.micro_batch = came_down_to
+        if main:
+            log.info("continuing at micro-batch %d, where the interrupted run had come down to after "
+                     "out-of-memory errors (--set allow_resume_change=true starts from %d again)",
+                     came_down_to, micro)
 
     # ---------------------------------------------------------------- run folder
     if main:
@@ -270,7 +280,8 @@ def train(cfg: Config) -> dict:
                  run_name, splits.description, num_classes, len(splits.train), len(splits.val),
                  "".join(f"\n  note: {n}" for n in splits.notes))
         log.info("batch: global %d = micro %d x accum %d x %d process(es) | precision %s | device %s | "
-                 "%d steps/epoch, %d workers", cfg.train.global_batch, micro, accum, world, precision,
+                 "%d steps/epoch, %d workers", cfg.train.global_batch, step_state.micro_batch,
+                 per_proc // step_state.micro_batch, world, precision,
                  acc.device, steps_per_epoch, workers)
 
     # ---------------------------------------------------------------- loop
@@ -337,7 +348,7 @@ def train(cfg: Config) -> dict:
                 st["global_step"] += 1
                 st["step_in_epoch"] += 1
                 st["samples_seen"] += res.samples
-                st["oom_retries"] = step_state.oom_retries
+                st["oom_retries"], st["micro_batch"] = step_state.oom_retries, step_state.micro_batch
                 scheduler.step_update(num_updates=st["global_step"])
                 dt = time.time() - t_got
                 total_train_time += time.time() - t_wait
