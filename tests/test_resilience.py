@@ -174,6 +174,10 @@ def test_secrets_never_reach_the_run_folder(tmp_path):
     for p in files:
         assert sentinel.encode() not in p.read_bytes(), p
     assert sentinel not in proc.stderr and sentinel not in proc.stdout
+    # The run's final figures reach the W&B run summary (`best_accuracy` is never a logged metric,
+    # so its name in the offline run file comes from the summary).
+    (run_file,) = (tmp_path / "w").rglob("run-*.wandb")
+    assert b"best_accuracy" in run_file.read_bytes() and b"wall_seconds" in run_file.read_bytes()
 
 
 def test_signal_between_micro_batches_undoes_the_step_and_resumes_exactly(train_cli):

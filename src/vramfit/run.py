@@ -439,6 +439,7 @@ def train(cfg: Config) -> dict:
     if main:
         write_json(run_dir / "summary.json", summary)
     if use_wandb:
+        runlog.summary(summary)
         acc.end_training()
     if exit_signal:
         if main:

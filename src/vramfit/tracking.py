@@ -91,6 +91,17 @@ class RunLog:
             self.acc.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
 
 
+    def summary(self, summary: dict) -> None:
+        """The run's final figures as the tracker's run summary (W&B's last-value default would show
+        the final, not the best, accuracy when runs are compared)."""
+        if not (self.acc.is_main_process and self.use_trackers):
+            return
+        figures = {k: v for k, v in scrub(summary).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for tracker in self.acc.trackers:
+            if tracker.name == "wandb":
+                tracker.tracker.summary.update(figures)
+
+
 def write_json(path: Path, obj) -> None:
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(scrub(obj), indent=1, default=str))
