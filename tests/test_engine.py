@@ -106,3 +106,44 @@ def test_oom_late_in_the_forward_leaves_no_trace():
     assert _max_diff(ref, got) <= 1e-6  # state_dict: weights and BatchNorm running statistics
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert ref.state_dict()["bn1.num_batches_tracked"] == 12  # 3 steps x 4 micro-batches, no more
+
+
+def test_grad_reducer_buckets_order_and_unused_parameters(monkeypatch):
+    """GradReducer against a fake 2-process group that sums two identical processes: buckets are
+    launched during backward, in order; every gradient is doubled; a parameter no process used
+    keeps grad None (so the optimizer skips it, as without the reducer)."""
+    from vramfit import engine
+
+    launched = []
+
+    class Work:
+        def wait(self):
+            pass
+
+    def fake_all_reduce(flat, async_op=False):
+        launched.append(flat.numel())
+        flat.mul_(2)
+        return Work()
+
+    monkeypatch.setattr(engine.dist, "is_available", lambda: True)
+    monkeypatch.setattr(engine.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(engine.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(engine.dist, "all_reduce", fake_all_reduce)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    unused = torch.nn.Parameter(torch.ones(3))
+    params = [unused, *net.parameters()]  # reversed into the last bucket: it cannot hold up the others
+    reducer = engine.GradReducer(params, bucket_bytes=64 * 4)  # buckets of >= 64 floats
+    x = torch.randn(5, 8)
+    reducer.arm()
+    net(x).sum().backward()
+    during_backward = len(launched)
+    reducer.launch_rest()
+    expected = [p.grad.clone() * 2 for p in net.parameters()]
+    reducer.finish(apply=True)
+    assert during_backward >= 1 and len(launched) == len(reducer.buckets)
+    assert sum(launched) == sum(p.numel() for p in params)
+    for p, e in zip(net.parameters(), expected):
+        torch.testing.assert_close(p.grad, e)
+    assert unused.grad is None
+    assert not reducer.hooks  # nothing left attached for the next step

@@ -66,7 +66,8 @@ class GradReducer:
     a process that stops early (out of memory, a signal) launches the buckets it has not launched
     with whatever its gradients hold. So every process issues the same collectives in the same
     order, the status flag agreed after them can never be left waiting, and the sums are used only
-    when every process succeeded.
+    when every process succeeded. A trainable parameter the forward did not use holds its bucket
+    (and the ones after it) until the backward ends: still correct, only not overlapped.
     """
 
     def __init__(self, params: list, bucket_bytes: int | None = None):
@@ -130,10 +131,10 @@ class GradReducer:
             if apply:
                 ps = [self.params[i] for i in self.buckets[b]]
                 for p, r in zip(ps, _unflatten_dense_tensors(flat, [p.data for p in ps])):
-                    if p.grad is None:
-                        p.grad = r.clone()
-                    else:
+                    if p.grad is not None:
                         p.grad.copy_(r)
+                    elif bool(r.any()):  # used on another process only; unused everywhere: stays
+                        p.grad = r.clone()  # None, so the optimizer skips it as it would alone
         self._reset()
 
 
