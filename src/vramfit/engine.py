@@ -44,8 +44,9 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def _agree(flag: int, device) -> int:
-    """Every process learns the worst flag of any process (a collective, so no rank is left waiting)."""
+def agree_max(flag: int, device) -> int:
+    """Every process learns the largest value any process holds (the worst status flag, a signal
+    number): one collective every process calls, so no rank is left waiting."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
     t = torch.tensor([flag], device=device, dtype=torch.int32)
@@ -159,13 +160,12 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
     state (the retry draws the same dropout / drop-path randomness however many attempts it took).
     """
     device = accelerator.device
-    rng, buffers = _rng_state(device), _Buffers(model)
     n = labels.shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
     if _is_fsdp(accelerator):
         return _fsdp_step(accelerator, model, optimizer, images, labels, step_samples, state,
                           label_smoothing, clip_grad_norm, loss_fn, check_grad_norm)
-    reducer = GradReducer(params)
+    rng, buffers, reducer = _rng_state(device), _Buffers(model), GradReducer(params)
     while True:
         flag, loss_sum, correct = OK, torch.zeros((), device=device), 0
         retries_before = _alloc_retries(device)
@@ -194,7 +194,7 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
             flag = NONFINITE
         if flag == OK and _alloc_retries(device) > retries_before:
             flag = THRASH
-        flag = _agree(flag, device)
+        flag = agree_max(flag, device)
         reducer.finish(apply=flag in (OK, THRASH))
         if flag == STOP:
             optimizer.zero_grad(set_to_none=True)
@@ -212,6 +212,16 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
             raise NonFiniteLoss(float(loss_sum))
         break
 
+    result = _update(accelerator, optimizer, params, loss_sum, correct, step_samples, clip_grad_norm,
+                     check_grad_norm)
+    if flag == THRASH:  # the allocator had to free cached blocks to fit: split smaller next time
+        _shrink(state, "allocator thrashing")
+    return result
+
+
+def _update(accelerator, optimizer, params, loss_sum, correct: int, step_samples: int,
+            clip_grad_norm: float | None, check_grad_norm: bool) -> StepResult:
+    """Clip, step, zero the gradients, and total the loss and hits over processes (both paths)."""
     # The norm is computed even without clipping: it is logged, and a non-finite one (bf16/fp32;
     # fp16's GradScaler handles its own) must stop the run before the update, not after.
     grad_norm = float(accelerator.clip_grad_norm_(params, clip_grad_norm or float("inf")))
@@ -221,8 +231,7 @@ def train_step(accelerator, model, optimizer, images, labels, step_samples: int,
     optimizer.step()
     skipped = bool(getattr(optimizer, "step_was_skipped", False))
     optimizer.zero_grad(set_to_none=True)
-    if flag == THRASH:  # the allocator had to free cached blocks to fit: split smaller next time
-        _shrink(state, "allocator thrashing")
+    device = accelerator.device
     total = _sum_over_processes(torch.stack([loss_sum.float(), torch.tensor(float(correct), device=device)]))
     return StepResult(loss=float(total[0]) / step_samples, correct=int(total[1]), samples=step_samples,
                       grad_norm=grad_norm, skipped=skipped)
@@ -273,16 +282,8 @@ def _fsdp_step(accelerator, model, optimizer, images, labels, step_samples, stat
     if not math.isfinite(float(loss_sum)):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteLoss(float(loss_sum))
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), clip_grad_norm or float("inf")))
-    if check_grad_norm and not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLoss(grad_norm, "gradient norm")
-    optimizer.step()
-    skipped = bool(getattr(optimizer, "step_was_skipped", False))
-    optimizer.zero_grad(set_to_none=True)
-    total = _sum_over_processes(torch.stack([loss_sum.float(), torch.tensor(float(correct), device=device)]))
-    return StepResult(loss=float(total[0]) / step_samples, correct=int(total[1]), samples=step_samples,
-                      grad_norm=grad_norm, skipped=skipped)
+    return _update(accelerator, optimizer, list(model.parameters()), loss_sum, correct, step_samples,
+                   clip_grad_norm, check_grad_norm)
 
 
 class _Buffers:
@@ -365,7 +366,7 @@ def evaluate(accelerator, model, loader, num_classes: int, eval_micro: list[int]
     metrics = ClassificationMetrics(num_classes)
     bad, loss_sum = [], 0.0
     for batch in loader:
-        if stop_requested is not None and _agree(STOP if stop_requested() else OK, accelerator.device) == STOP:
+        if stop_requested is not None and agree_max(STOP if stop_requested() else OK, accelerator.device) == STOP:
             model.train()
             raise StepInterrupted()
         x, y = normalize(batch.images), batch.labels.to(accelerator.device)

@@ -86,8 +86,8 @@ def train(cfg: Config) -> dict:
 
     from . import data as D
     from .augment import DeviceAugment
-    from .engine import (MicroBatchExhausted, NonFiniteLoss, StepInterrupted, StepState, evaluate, oom_message,
-                         train_step)
+    from .engine import (MicroBatchExhausted, NonFiniteLoss, StepInterrupted, StepState, agree_max, evaluate,
+                         oom_message, train_step)
     from .models import create_model, data_config, export
     from .optim import create_optimizer, create_scheduler
 
@@ -314,7 +314,7 @@ def train(cfg: Config) -> dict:
                                          flag, cfg.debug.signal_in_step == st["global_step"] + 1))
                 except StepInterrupted:
                     # Undone on every process: save the last completed step; a resume redoes this one.
-                    exit_signal = _agree_stop(flag.signum, acc) or signal.SIGTERM
+                    exit_signal = agree_max(flag.signum, acc.device) or signal.SIGTERM
                     if main:
                         log.warning("signal %d during global step %d: the step was undone between "
                                     "micro-batches", exit_signal, st["global_step"] + 1)
@@ -368,7 +368,7 @@ def train(cfg: Config) -> dict:
                                 **_memory_figures(acc.device)}, st["global_step"])
                 if cfg.debug.signal_at_step == st["global_step"]:
                     flag.signum = signal.SIGTERM
-                stop = _agree_stop(flag.signum, acc)
+                stop = agree_max(flag.signum, acc.device)
                 every = cfg.checkpoint.every_steps
                 if stop or (every and st["global_step"] % every == 0):
                     _save(acc, model, ckpt_dir, st, cfg, ema)
@@ -388,7 +388,7 @@ def train(cfg: Config) -> dict:
                                    stop_requested=_stop_check(flag, cfg.debug.signal_in_eval == epoch + 1))
             except StepInterrupted:
                 # The epoch's steps are done and saved as such: a resume goes straight to evaluation.
-                exit_signal = _agree_stop(flag.signum, acc) or signal.SIGTERM
+                exit_signal = agree_max(flag.signum, acc.device) or signal.SIGTERM
                 if main:
                     log.warning("signal %d during the evaluation of epoch %d: saving the trained state",
                                 exit_signal, epoch + 1)
@@ -414,7 +414,7 @@ def train(cfg: Config) -> dict:
                          metrics["samples"], metrics["loss"], " (best)" if improved else "")
             st["finished"] = epoch + 1 == cfg.train.epochs
             _save(acc, model, ckpt_dir, st, cfg, ema)
-            if _agree_stop(flag.signum, acc):
+            if agree_max(flag.signum, acc.device):
                 exit_signal = flag.signum or signal.SIGTERM
                 break
     finally:
@@ -544,12 +544,11 @@ def _gather_bad(bad: list[str], acc) -> list[str]:
     names travel only when there are any)."""
     if acc.num_processes == 1:
         return list(bad)
-    import torch.distributed as dist
     from accelerate.utils import gather_object
 
-    n = torch.tensor([len(bad)], device=acc.device, dtype=torch.int32)
-    dist.all_reduce(n)
-    return gather_object(list(bad)) if int(n) else []
+    from .engine import agree_max
+
+    return gather_object(list(bad)) if agree_max(len(bad), acc.device) else []
 
 
 def _stop_check(flag: SignalFlag, inject: bool):
@@ -564,16 +563,6 @@ def _stop_check(flag: SignalFlag, inject: bool):
             flag.signum = flag.signum or signal.SIGTERM
         return flag.signum != 0
     return stop
-
-
-def _agree_stop(signum: int, acc) -> int:
-    if acc.num_processes == 1:
-        return signum
-    import torch.distributed as dist
-
-    t = torch.tensor([signum], device=acc.device, dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def _sync_bn(acc, model) -> None:
