@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .config import DataConfig
+from .data import _mix, _SeededRNG
 
 
 class DeviceAugment:
@@ -46,8 +47,6 @@ class DeviceAugment:
         return (images, targets): hard labels, or soft targets with mixup/cutmix."""
         if self.erase is None and self.mix is None:
             return images, labels
-        from .data import _mix, _SeededRNG
-
         with _SeededRNG(_mix(self.seed, epoch, step, self.rank, "device-aug")):
             if self.erase is not None:
                 self.erase(images)
