@@ -1,0 +1,152 @@
+"""Batch arithmetic, in one place: how an optimizer batch is shared over processes, how a share is
+split into micro-batches, how many steps an epoch has, and which micro-batch a run uses.
+
+`vramfit train`, `vramfit plan` and `micro_batch: auto` all call `resolve_micro_batch` and
+`grad_accum_steps`; nothing else derives them.
+
+The rules (docs/distributed.md):
+- The recipe fixes the global batch. Each process takes a near-equal share of it; the order of the
+  samples and the number of steps per epoch do not depend on the process count.
+- A share is split into `ceil(share / micro_batch)` near-equal chunks, the same count on every
+  process (FSDP needs every process to run the same number of forwards). The micro-batch need not
+  divide the share: 30 samples at micro-batch 8 run as 8 + 8 + 7 + 7.
+- No chunk ever holds exactly one sample while the share has two or more: train-mode BatchNorm
+  cannot normalise one sample (timm heads with a 1x1 feature map raise on it). Where that would
+  happen (micro-batch 2 and an odd share), one chunk fewer is used and a chunk takes one sample more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import VramfitError
+
+
+def per_process_batch(global_batch: int, num_processes: int) -> int:
+    """The share of one full optimizer batch each process takes (checked to divide, as llm.c does)."""
+    if global_batch % num_processes:
+        valid = [g for g in (global_batch - global_batch % num_processes,
+                             global_batch + num_processes - global_batch % num_processes) if g > 0]
+        raise VramfitError(
+            f"global_batch {global_batch} does not divide over {num_processes} processes.",
+            hint=f"use global_batch {' or '.join(map(str, valid))} (a multiple of the process count), "
+                 f"e.g. --global-batch {valid[-1]}")
+    return global_batch // num_processes
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    """Full batches, plus a short final batch when it holds at least two samples (whatever the
+    process count, so the schedule of a recipe is the same on 1 or 8 processes)."""
+    full, rest = divmod(num_samples, global_batch)
+    return full + (1 if rest >= 2 else 0)
+
+
+def rank_shares(step_samples: int, num_processes: int) -> list[int]:
+    """Samples each process takes from one optimizer batch of `step_samples`: near-equal, and never
+    exactly one while the batch has two or more (a short final batch with fewer than two samples a
+    process goes to fewer processes; the others take none and add nothing to the gradient sums)."""
+    takers = max(1, min(num_processes, step_samples // 2))
+    per, extra = divmod(step_samples, takers)
+    return [(per + (1 if r < extra else 0)) if r < takers else 0 for r in range(num_processes)]
+
+
+def rank_slice(batch: list, rank: int, num_processes: int) -> list:
+    """This process's contiguous part of one optimizer batch (see `rank_shares`)."""
+    shares = rank_shares(len(batch), num_processes)
+    start = sum(shares[:rank])
+    return batch[start:start + shares[rank]]
+
+
+def num_chunks(shares: list[int], micro_batch: int) -> int:
+    """Forwards each process runs for one step: the same count on every process."""
+    taken = [s for s in shares if s > 0]
+    if not taken:
+        return 0
+    count = math.ceil(max(taken) / micro_batch)
+    if micro_batch >= 2 and min(taken) >= 2:
+        count = min(count, min(taken) // 2)  # no 1-sample chunk (see the module docstring)
+    return max(1, count)
+
+
+def chunk_bounds(n: int, count: int) -> list[tuple[int, int]]:
+    """`n` samples in `count` near-equal consecutive chunks, as (start, end); empty ones left out."""
+    if count <= 0 or n <= 0:
+        return []
+    per, extra = divmod(n, count)
+    out, start = [], 0
+    for i in range(count):
+        end = start + per + (1 if i < extra else 0)
+        if end > start:
+            out.append((start, end))
+        start = end
+    return out
+
+
+def grad_accum_steps(per_process: int, micro_batch: int) -> int:
+    """Micro-batches (forward/backward passes) per optimizer step for a full batch."""
+    return num_chunks([per_process], micro_batch)
+
+
+def largest_chunk(per_process: int, micro_batch: int) -> int:
+    """The largest forward a process runs for a full batch at this micro-batch."""
+    return max(e - s for s, e in chunk_bounds(per_process, grad_accum_steps(per_process, micro_batch)))
+
+
+def smaller_micro_batch(micro_batch: int) -> int:
+    """The next micro-batch to try after running out of memory (halving; 1 is the floor)."""
+    return max(1, micro_batch // 2)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch a run (or a plan) uses, and why."""
+
+    size: int  # the largest number of samples one forward of one process takes
+    per_process_batch: int
+    source: str  # configured | whole share | auto ... | resumed
+    note: str | None = None  # said at start when the request was changed
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return grad_accum_steps(self.per_process_batch, self.size)
+
+    def as_dict(self) -> dict:
+        return {"micro_batch": self.size, "per_process_batch": self.per_process_batch,
+                "grad_accum_steps": self.grad_accum_steps, "micro_batch_source": self.source,
+                "micro_batch_note": self.note}
+
+
+def resolve_micro_batch(requested: int | str | None, per_process: int, *,
+                        pick: Callable[[int], int] | None = None,
+                        resumed: int | None = None) -> MicroBatch:
+    """The one rule for the micro-batch, for training, `plan` and `auto` alike.
+
+    `requested`: the config's `train.micro_batch` (a number, `auto`, or None for the whole share).
+    `pick(per_process)`: how `auto` sizes against a device (planner, then probe); without it `auto`
+    runs the whole share at once (nothing to size against, e.g. on a CPU).
+    `resumed`: the micro-batch an interrupted run had come down to after running out of memory;
+    a resumed run continues there rather than run out of memory again.
+    """
+    if requested is None:
+        mb = MicroBatch(per_process, per_process, "whole share")
+    elif requested == "auto":
+        if pick is None:
+            mb = MicroBatch(per_process, per_process, "auto without a device to size against: whole share")
+        else:
+            mb = MicroBatch(min(max(1, int(pick(per_process))), per_process), per_process, "auto")
+    elif int(requested) > per_process:
+        # A recipe's micro-batch is what fits its card; with more processes each holds fewer
+        # samples, so the same recipe runs unchanged on 8 GPUs with the whole share at once.
+        mb = MicroBatch(per_process, per_process, "configured, capped at the share",
+                        note=f"micro-batch {requested} is larger than this process's share of the global "
+                             f"batch ({per_process}): each step runs its {per_process} samples at once")
+    else:
+        mb = MicroBatch(int(requested), per_process, "configured")
+    if resumed is not None and 1 <= resumed < mb.size:
+        return MicroBatch(resumed, per_process, "resumed",
+                          note=f"continuing at micro-batch {resumed}, where the interrupted run had come "
+                               f"down to after out-of-memory errors (instead of {mb.size}; "
+                               f"--set allow_resume_change=true starts from {mb.size} again)")
+    return mb
