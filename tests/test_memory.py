@@ -43,13 +43,23 @@ def test_oom_at_micro_batch_one_stops_with_the_plan(train_cli):
     assert "HINT" in msg and "vramfit plan" in msg
 
 
-def test_search_walks_to_the_largest_fitting_divisor():
+def test_search_finds_the_largest_fitting_micro_batch_with_few_probes():
     budget = 1000
-    peak = lambda m: m * 30 if m <= 32 else None  # noqa: E731 - 33+ "runs out of memory"
-    assert search(64, 8, budget, peak)[0] == 32  # plan too cautious: walk up
+    probed = []
+
+    def peak(m):  # 34+ samples "run out of memory"; m samples need 30 * m bytes
+        probed.append(m)
+        return m * 30 if m <= 33 else None
+
+    assert search(64, 8, budget, peak)[0] == 32  # plan too cautious: walk up (33 is not a split of 64)
     assert search(64, 64, budget, peak)[0] == 32  # plan too bold: walk down
-    micro, trace = search(48, 16, 500, peak)
-    assert micro == 16 and [t["micro_batch"] for t in trace] == [16, 24]
+    assert search(100, 16, budget, peak)[0] == 25  # 4 x 25; 3 x 34 runs out: not a divisor search
+    probed.clear()
+    micro, trace = search(99, 20, budget, peak)
+    assert micro == 33 and len(trace) <= 6  # 3 x 33, found from 20 in a few probes
+    assert [t["micro_batch"] for t in trace] == probed and len(set(probed)) == len(probed)  # each once
+    assert all(t["fits"] == (t["micro_batch"] <= 33) for t in trace)
+    assert search(48, 16, 500, peak)[0] == 16  # 30 x 17 > 500
     with pytest.raises(RuntimeError):
         search(8, 8, 10, peak)
 

@@ -2,8 +2,9 @@
 
 The planner predicts without a device; the probe measures one forward/backward of the real model on
 the real card at the planned micro-batch (`max_memory_reserved`, plus the optimizer state that the
-first real step will allocate), then moves to the neighbouring divisor until the largest one that
-fits is found. Results are cached per (device, model, image size, precision, checkpointing, ...).
+first real step will allocate), then searches the whole numbers around it (a few probes: a widening
+step out from the pick, then bisection between the last fit and the first out-of-memory) for the
+largest that fits. Results are cached per (device, model, image size, precision, checkpointing, ...).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Callable
 
 import torch
 
+from .batching import largest_chunk
 from .builtin_data import cache_root
-from .config import Config, _divisors
+from .config import Config
 
 log = logging.getLogger("vramfit")
 
@@ -54,30 +56,53 @@ def store(key: str, micro: int) -> None:
 
 
 def search(per_proc: int, start: int, budget: int, probe: Callable[[int], int | None]) -> tuple[int, list]:
-    """Largest divisor of `per_proc` whose measured peak fits `budget`, starting from the plan's pick.
+    """Largest micro-batch in 1..per_proc whose measured peak fits `budget`, starting at the plan's pick.
 
-    `probe(m)` returns the measured peak in bytes, or None when it ran out of memory. Walks down from
-    `start` until one fits, or up while the next one still fits. Raises RuntimeError if 1 does not fit.
+    `probe(m)` returns the measured peak of a forward of m samples in bytes, or None when it ran out
+    of memory. Only the largest forward of each split is probed (micro-batches 43..63 of a share of
+    128 all run forwards of at most 43), each once. From `start` the step out widens (1/8 of the
+    pick, doubling) until one fits and one does not, then bisection closes the gap. Raises
+    RuntimeError if 1 does not fit.
     """
-    divs = _divisors(per_proc)
-    i = divs.index(start) if start in divs else max(j for j, d in enumerate(divs) if d <= start)
-    trace = []
+    seen: dict[int, bool] = {}
+    trace: list[dict] = []
 
-    def fits(j):
-        peak = probe(divs[j])
-        ok = peak is not None and peak <= budget
-        trace.append({"micro_batch": divs[j], "measured_peak_bytes": peak, "fits": ok})
-        return ok
+    def fits(m: int) -> bool:
+        c = largest_chunk(per_proc, m)
+        if c not in seen:
+            peak = probe(c)
+            seen[c] = peak is not None and peak <= budget
+            trace.append({"micro_batch": c, "measured_peak_bytes": peak, "fits": seen[c]})
+        return seen[c]
 
-    if fits(i):
-        while i + 1 < len(divs) and fits(i + 1):
-            i += 1
-        return divs[i], trace
-    while i > 0:
-        i -= 1
-        if fits(i):
-            return divs[i], trace
-    raise RuntimeError("micro-batch 1 does not fit")
+    m = min(max(1, start), per_proc)
+    lo, hi = _bracket(m, per_proc, fits)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if lo == 0:
+        raise RuntimeError("micro-batch 1 does not fit")
+    return largest_chunk(per_proc, lo), trace
+
+
+def _bracket(m: int, per_proc: int, fits: Callable[[int], bool]) -> tuple[int, int]:
+    """(a micro-batch that fits or 0, the next larger one known not to fit or per_proc + 1)."""
+    step = max(1, m // 8)
+    if fits(m):
+        lo = m
+        while lo < per_proc:
+            nxt = min(per_proc, lo + step)
+            if not fits(nxt):
+                return lo, nxt
+            lo, step = nxt, step * 2
+        return lo, per_proc + 1
+    hi = m
+    while hi > 1:
+        nxt = max(1, hi - step)
+        if fits(nxt):
+            return nxt, hi
+        hi, step = nxt, step * 2
+    return 0, 1
 
 
 def cuda_probe(model, optimizer_state_bytes: int, image_size: int, num_classes: int, channels_last: bool,
@@ -136,7 +161,7 @@ def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, d
     name = torch.cuda.get_device_name(device)
     key = cache_key(cfg, name, per_proc, num_classes)
     hit = cached(key)
-    if hit is not None and per_proc % hit == 0:
+    if hit is not None and 1 <= hit <= per_proc:
         return {"micro_batch": hit, "reason": f"auto: cached for {name}", "budget_bytes": budget}
     pick, table = pick_micro_batch(cfg, num_classes, per_proc, budget)
     plan = {"micro_batch": pick or 1, "reason": "auto: planner", "budget_bytes": budget,
@@ -154,3 +179,19 @@ def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, d
     store(key, micro)
     plan.update(micro_batch=micro, reason=f"auto: planner {pick}, verified on {name}", probe=trace)
     return plan
+
+
+def auto_pick(cfg: Config, num_classes: int, model=None, device=None,
+              found: dict | None = None) -> Callable[[int], int]:
+    """The `pick` that `batching.resolve_micro_batch("auto", share, pick=...)` takes on a GPU: the
+    planner's pick for the card, confirmed by the probe when `model` is given. What it found (the
+    reason, the budget, the prediction and the probes) is written into `found`, for plan.json."""
+
+    def pick(per_proc: int) -> int:
+        res = auto_micro_batch(cfg, num_classes, per_proc, model, device)
+        if found is not None:
+            found.update(res)
+        return res["micro_batch"]
+
+    return pick
+
