@@ -1,4 +1,4 @@
-"""data.py, scan.py, prepare.py: every source kind, bad files counted exactly, every mode to RGB uint8,
+"""vramfit.data, scan.py, prepare.py: every source kind, bad files counted exactly, every mode to RGB uint8,
 deterministic batches, scan-data and prepare end to end. All data is generated here (no Hub)."""
 import io
 import json
@@ -95,21 +95,22 @@ def test_split_folders(tmp_path):
     assert (len(s.train), len(s.val)) == (9, 3)
     assert s.class_names == ["cat", "dog"] and (s.image_column, s.label_column) == ("image", "label")
     assert sorted(s.val["label"]) == [0, 0, 1]
-    assert not any("held out" in n for n in s.notes) and any("unused split" in n for n in s.notes)
+    assert not any("held out" in n for n in s.notes)
+    assert any("test split left for `vramfit eval --split test`" in n for n in s.notes)
     # data.val_split picks another split folder
-    assert len(D.load_splits(cfg(tmp_path, val_split="test"), seed=0).val) == 2
+    assert len(D.load_splits(cfg(tmp_path, val_split="test")).val) == 2
 
 
 def test_single_folder_is_split_by_seeded_stratified_holdout(tmp_path):
     class_tree(tmp_path, {"a": 10, "b": 20, "c": 1})  # c: one image, stays in train
-    s = D.load_splits(cfg(tmp_path, val_fraction=0.2), seed=3)
+    s = D.load_splits(cfg(tmp_path, val_fraction=0.2, split_seed=3))
     val_labels = sorted(s.val["label"])
     # ceil(0.2 * 31) = 7 held out (the library's rounding), in proportion, never c's only image
     assert len(val_labels) == 7 and val_labels.count(0) >= 2 and val_labels.count(1) >= 4
     assert 2 not in val_labels
     assert len(s.train) + len(s.val) == 31 and any("held out 20%" in n for n in s.notes)
-    same = D.load_splits(cfg(tmp_path, val_fraction=0.2), seed=3)
-    other = D.load_splits(cfg(tmp_path, val_fraction=0.2), seed=4)
+    same = D.load_splits(cfg(tmp_path, val_fraction=0.2, split_seed=3))
+    other = D.load_splits(cfg(tmp_path, val_fraction=0.2, split_seed=4))
     paths = lambda ds: sorted(r["path"] for r in ds["image"])  # noqa: E731
     assert paths(same.val) == paths(s.val) and paths(other.val) != paths(s.val)
 
@@ -149,7 +150,7 @@ def test_mixed_extensions_load_and_non_images_are_counted(tmp_path):
     for kind in (".txt 1", ".DS_Store 1", "Thumbs.db 1", ".md 1", "._* (macOS) 1"):
         assert kind in note
     ds = D.ImageDataset(src.train, "image", "label", lambda im: np.asarray(im), 16, 0, train=False)
-    assert all(ds[i][4] == "" and ds[i][0].shape == (16, 20, 3) for i in range(len(ds)))
+    assert all(ds[i].bad == "" and ds[i].image.shape == (16, 20, 3) for i in range(len(ds)))
 
 
 # ---- Arrow / parquet / Hub-style sources --------------------------------------------------------
@@ -179,17 +180,17 @@ def check_hub_columns(src, n_train, n_val):
     item = src.train[0]["img"]
     assert isinstance(item, dict) and item["bytes"]  # undecoded: workers decode
     ds = D.ImageDataset(src.train, src.image_column, src.label_column, lambda im: np.asarray(im), 16, 0, False)
-    assert ds[0][0].shape == (16, 16, 3) and ds[0][1] == src.train[0]["fine_label"]
+    assert ds[0].image.shape == (16, 16, 3) and ds[0].label == src.train[0]["fine_label"]
 
 
 def test_save_to_disk_with_hub_style_columns(tmp_path):
     import datasets
 
-    datasets.DatasetDict({"train": hub_style(12), "test": hub_style(6)}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict({"train": hub_style(12), "validation": hub_style(6)}).save_to_disk(str(tmp_path / "dd"))
     check_hub_columns(D.load_source(cfg(tmp_path / "dd")), 12, 6)
     hub_style(9).save_to_disk(str(tmp_path / "one"))  # a single Dataset: held out at load_splits
     check_hub_columns(D.load_source(cfg(tmp_path / "one")), 9, None)
-    s = D.load_splits(cfg(tmp_path / "one", val_fraction=0.34), seed=0)
+    s = D.load_splits(cfg(tmp_path / "one", val_fraction=0.34))
     assert len(s.val) == 4 and len(s.train) == 5
 
 
@@ -199,7 +200,7 @@ def test_parquet_file_and_folder(tmp_path):
     folder = tmp_path / "pq" / "data"
     folder.mkdir(parents=True)
     hub_style(12).to_parquet(str(folder / "train-00000-of-00001.parquet"))
-    hub_style(6).to_parquet(str(folder / "test-00000-of-00001.parquet"))
+    hub_style(6).to_parquet(str(folder / "validation-00000-of-00001.parquet"))
     check_hub_columns(D.load_source(cfg(tmp_path / "pq", cache_dir=str(tmp_path))), 12, 6)
 
 
@@ -284,7 +285,7 @@ def test_bad_input_raises_with_a_hint(tmp_path, case, needle):
     else:
         src, kw = "someone/some-dataset", {"trust_remote_code": True}
     with pytest.raises(VramfitError) as e:
-        D.load_splits(cfg(src, **kw), seed=0)
+        D.load_splits(cfg(src, **kw))
     assert needle in e.value.message and e.value.hint
 
 
@@ -320,9 +321,9 @@ def test_every_mode_comes_out_3_channel_uint8(transforms):
     for tf, train in ((train_tf, True), (val_tf, False)):
         ds = D.ImageDataset(hf, "image", "label", tf, 32, 0, train=train)
         for i in range(len(ds)):
-            x, label, _, _, bad = ds[(i, 0, len(ds)) if train else i]
-            assert bad == "" and label == i, items[i]["path"]
-            assert x.dtype == torch.uint8 and tuple(x.shape) == (3, 32, 32), items[i]["path"]
+            sample = ds[(i, 0, len(ds)) if train else i]
+            assert sample.bad == "" and sample.label == i, items[i]["path"]
+            assert sample.image.dtype == torch.uint8 and tuple(sample.image.shape) == (3, 32, 32), items[i]["path"]
 
 
 def test_draft_size_follows_the_transform():
@@ -348,7 +349,7 @@ def small_folder(tmp_path_factory):
 
 
 def batches(folder, transforms, seed, epoch, workers):
-    s = D.load_splits(cfg(folder, val_fraction=0.25), seed=0)
+    s = D.load_splits(cfg(folder, val_fraction=0.25))
     ds = D.ImageDataset(s.train, s.image_column, s.label_column, transforms[0], 32, seed, train=True)
     sampler = D.StepBatchSampler(len(ds), 8, 0, 1, seed)
     sampler.set_epoch(epoch)
@@ -375,6 +376,47 @@ def test_same_seed_same_batches_other_epoch_other_batches(small_folder, transfor
 
 def test_two_workers_give_identical_batches(small_folder, transforms):
     assert same(batches(small_folder, transforms, 5, 2, 0), batches(small_folder, transforms, 5, 2, 2))
+
+
+def test_every_process_runs_every_step_even_with_an_empty_share(small_folder, transforms):
+    """19 samples at global batch 8 on 4 processes: 3 steps everywhere (as on 1 process); the short
+    last batch of 3 goes to one process, the others get an empty batch that still says 3."""
+    s = D.load_splits(cfg(small_folder, val_fraction=0.2, limit_train_samples=19))
+    ds = D.ImageDataset(s.train, s.image_column, s.label_column, transforms[0], 32, 0, train=True)
+    seen, per_rank = [], []
+    for rank in range(4):
+        sampler = D.StepBatchSampler(len(ds), 8, rank, 4, seed=0)
+        got = list(D.make_loader(ds, batch_sampler=sampler))
+        assert len(sampler) == len(got) == 3
+        per_rank.append([(len(b.indices), b.step_samples) for b in got])
+        seen += [i for b in got for i in b.indices.tolist()]
+        assert all(b.images.dtype == torch.uint8 and b.images.shape[1:] == (3, 32, 32) for b in got)
+    assert sorted(seen) == list(range(19))
+    assert [r[2] for r in per_rank] == [(3, 3), (0, 3), (0, 3), (0, 3)]
+    assert all(r[:2] == [(2, 8), (2, 8)] for r in per_rank)
+    empty = D.collate([], image_size=32)
+    assert empty.images.shape == (0, 3, 32, 32) and empty.images.dtype == torch.uint8
+
+
+def test_build_loaders_gives_the_run_its_loaders(small_folder):
+    from accelerate import Accelerator
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    from vramfit.config import build_config
+
+    c = build_config(None, ["data.num_workers=0", "model.channels_last=true"],
+                     {"data.source": str(small_folder), "data.image_size": 32, "train.global_batch": 8})
+    splits = D.load_splits(c.data)
+    data_cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
+                "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
+    loaders = D.build_loaders(c, splits, data_cfg, Accelerator(cpu=True), eval_batch=5)
+    assert loaders.workers == 0 and len(loaders.train) == len(loaders.sampler) == 3  # 21 train images: 8 + 8 + 5
+    batch = next(iter(loaders.train))
+    assert batch.step_samples == 8 and batch.images.shape == (8, 3, 32, 32)
+    x = loaders.normalize(batch.images)
+    assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
+    assert abs(float(x.mean())) < 3
+    assert [len(b.indices) for b in loaders.val] == [3]  # the 3 held-out images, in one eval batch
 
 
 # ---- end to end: bad files, prepare, scan-data ----------------------------------------------------
@@ -483,7 +525,7 @@ def test_each_source_kind_trains_a_few_steps(kind, tmp_path, train_cli, monkeypa
     extra: list[str] = []
     if kind == "save_to_disk":
         data = tmp_path / "saved"
-        datasets.DatasetDict({"train": train, "test": val}).save_to_disk(str(data))
+        datasets.DatasetDict({"train": train, "validation": val}).save_to_disk(str(data))
     elif kind == "parquet_folder":
         data = tmp_path / "pq"
         data.mkdir()
@@ -515,13 +557,15 @@ def test_each_source_kind_trains_a_few_steps(kind, tmp_path, train_cli, monkeypa
 def test_batches_of_the_wrong_shape_stop_at_step_1(tmp_path, train_cli, monkeypatch):
     """The 'resize written but never applied' bug: the guard names the transform, before any step."""
     root = class_tree(tmp_path / "photos", {"a": 8, "b": 8}, size=(20, 20))
-    real = D.build_transforms
+    from vramfit.data import loader
+
+    real = loader.build_transforms
 
     def no_resize(cfg, data_cfg):
         _, val_tf = real(cfg, data_cfg)
         return (lambda im: torch.from_numpy(np.array(im)).permute(2, 0, 1)), val_tf
 
-    monkeypatch.setattr(D, "build_transforms", no_resize)
+    monkeypatch.setattr(loader, "build_transforms", no_resize)
     with pytest.raises(VramfitError, match=r"shape \(8, 3, 20, 20\), expected \(N, 3, 32, 32\)") as e:
         train_cli(*train_args(root, None))
     assert "transform is not being applied" in e.value.message
@@ -532,8 +576,8 @@ def test_resumed_head_must_match_the_dataset_classes(tmp_path, train_cli):
     run_dir, code = train_cli(*train_args(root, None, "--set", "debug.signal_at_step=1"))
     assert code == 143 and (run_dir / "checkpoints").is_dir()
     (root / "dog").rename(root / "fox")
-    with pytest.raises(VramfitError, match="differ from the checkpoint") as e:
-        train_cli(*train_args(root, None))
+    with pytest.raises(VramfitError, match="differ from the checkpoint") as e:  # even when allowed
+        train_cli(*train_args(root, None, "--set", "allow_resume_change=true"))
     assert "fox" in e.value.message and "dog" in e.value.message
 
 
@@ -559,9 +603,12 @@ def test_train_and_val_split_names_are_chosen_and_checked(tmp_path):
                           "test": hub_style(4)}).save_to_disk(str(tmp_path / "dd"))
     src = D.load_source(cfg(tmp_path / "dd", train_split="full", val_split="holdout"))
     assert (len(src.train), len(src.val)) == (12, 3)
-    assert any("unused split(s): train, test" in n for n in src.notes)
-    default = D.load_source(cfg(tmp_path / "dd"))  # train, and the first validation-like name
-    assert (len(default.train), len(default.val)) == (6, 4)
+    assert any("unused split(s): train " in n for n in src.notes)
+    assert any(n.startswith("test split left for `vramfit eval --split test`") for n in src.notes)
+    default = D.load_source(cfg(tmp_path / "dd"))  # train; no validation-like name: held out later
+    assert len(default.train) == 6 and default.val is None
+    assert any("test split left for" in n for n in default.notes)
+    assert len(D.load_source(cfg(tmp_path / "dd", val_split="test")).val) == 4  # on request
     for key in ("train_split", "val_split"):
         with pytest.raises(VramfitError, match=f"data.{key} `nope` is not a split") as e:
             D.load_source(cfg(tmp_path / "dd", **{key: "nope"}))

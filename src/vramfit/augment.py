@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .config import DataConfig
-from .data import _mix, _SeededRNG
+from .data import SeededRNG, mix_seed
 
 
 class DeviceAugment:
@@ -47,7 +47,7 @@ class DeviceAugment:
         return (images, targets): hard labels, or soft targets with mixup/cutmix."""
         if self.erase is None and self.mix is None:
             return images, labels
-        with _SeededRNG(_mix(self.seed, epoch, step, self.rank, "device-aug")):
+        with SeededRNG(mix_seed(self.seed, epoch, step, self.rank, "device-aug")):
             if self.erase is not None:
                 self.erase(images)
             if self.mix is not None:

@@ -47,6 +47,9 @@ class DataConfig(Section):
     train_split: str | None = None
     val_split: str | None = None
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    # Seeds the validation hold-out and the limit_* subsets; never the run seed, so every run of a
+    # seed sweep is validated on the same images.
+    split_seed: int = 0
     image_column: str | None = None
     label_column: str | None = None
     trust_remote_code: bool = False

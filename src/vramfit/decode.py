@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import warnings
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -41,12 +42,26 @@ def decode_image(
     `target_size` lets a JPEG decode at a reduced DCT scale whose shorter side is still
     >= target_size; other formats ignore it. Resizing to the final size is the transform's job.
     """
+    return decode_with_size(item, target_size, max_pixels)[0]
+
+
+def decode_with_size(
+    item, target_size: int | None = None, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> tuple[Image.Image, tuple[int, int]]:
+    """`decode_image`, and the stored size (width, height) of the image before any draft or rotation.
+
+    PIL's DecompressionBombWarning (images between Image.MAX_IMAGE_PIXELS and the hard limit) is not
+    raised: it would print once per file and worker; the caller decides, from the size, what to say.
+    """
     if target_size is not None and target_size < 1:
         raise ValueError(f"target_size must be >= 1, got {target_size}")
     fmt = "image"
     try:
-        img, owned = _open(item)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img, owned = _open(item)
         fmt = img.format or fmt
+        size = img.size
         # Checked on the header size, before any pixel is decoded; PIL's own check only warns
         # below 2 * MAX_IMAGE_PIXELS and honours whatever global limit someone else set.
         pixels = img.width * img.height
@@ -68,7 +83,7 @@ def decode_image(
             ImageOps.exif_transpose(img, in_place=True)
         else:
             img = ImageOps.exif_transpose(img)  # a copy: never mutate the caller's image
-        return _to_rgb(img)
+        return _to_rgb(img), size
     except BadImage:
         raise
     except Exception as exc:  # PIL plugins raise almost any type on malformed input
@@ -112,7 +127,7 @@ def _open(item) -> tuple[Image.Image, bool]:
     if data is None:
         if not path:
             raise BadImage("item has neither bytes nor path")
-        data = _read(path)
+        data = read_file(path)
     if len(data) == 0:
         raise BadImage("zero-byte file")
     # Always decode from memory: Image.open(path) keeps multi-frame files (GIF, TIFF, MPO) open
@@ -120,7 +135,8 @@ def _open(item) -> tuple[Image.Image, bool]:
     return Image.open(io.BytesIO(data)), True
 
 
-def _read(path) -> bytes:
+def read_file(path) -> bytes:
+    """The bytes of an image file, or BadImage saying why they cannot be read."""
     try:
         with open(path, "rb") as f:
             return f.read()

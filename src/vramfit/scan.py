@@ -19,7 +19,7 @@ from PIL import Image
 
 from .config import DataConfig
 from .data import Source, load_source
-from .decode import BadImage, _read, decode_image, describe
+from .decode import BadImage, decode_image, describe, read_file
 
 # Thresholds of the "unusual" flags (docs/data.md): none of them stops training.
 TINY_SIDE = 32  # px: upscaled a lot to any useful image_size
@@ -46,7 +46,7 @@ def inspect_item(item) -> tuple[str, str, str, tuple[str, ...]]:
     data = item
     try:
         if isinstance(item, dict) and item.get("bytes") is None and item.get("path"):
-            data = {"bytes": _read(item["path"]), "path": item["path"]}  # read once, use twice
+            data = {"bytes": read_file(item["path"]), "path": item["path"]}  # read once, use twice
         raw = data.get("bytes") if isinstance(data, dict) else data
         if isinstance(raw, (bytes, bytearray)) and raw:
             with Image.open(io.BytesIO(raw)) as img:  # header only: mode, size, frames

@@ -1,0 +1,28 @@
+"""HF `datasets` sources -> decoded, augmented uint8 batches, in an order that is a pure function of
+(seed, epoch), so a resumed or rescaled run sees exactly the same samples.
+
+- `sources`: every supported source -> `Splits` (train and validation, labels as ClassLabel);
+  `folders` (image folders) and `schema` (split names, columns, labels) serve it.
+- `ordering`: the sample order of each optimizer step, and the per-sample seeds.
+- `loader`: datasets, batches and loaders (`build_loaders`); `workers`: the loader processes.
+"""
+
+from .folders import IMAGE_EXTENSIONS, is_image_file
+from .loader import (TRAIN_DRAFT_FACTOR, Batch, CheckedLoader, ImageDataset, Loaders, Note, Sample,
+                     build_loaders, build_transforms, check_batch_shape, collate, draft_size,
+                     make_loader, normalizer)
+from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
+from .schema import HELD_OUT_SPLITS, IMAGE_COLUMNS, LABEL_COLUMNS, TRAIN_SPLITS, VAL_SPLITS
+from .sources import Source, Splits, load_eval_split, load_source, load_splits
+from .workers import resolve_workers
+
+__all__ = [
+    "IMAGE_EXTENSIONS", "is_image_file",
+    "TRAIN_DRAFT_FACTOR", "Batch", "CheckedLoader", "ImageDataset", "Loaders", "Note", "Sample",
+    "build_loaders", "build_transforms", "check_batch_shape", "collate", "draft_size", "make_loader",
+    "normalizer",
+    "NO_SAMPLE", "SeededRNG", "StepBatchSampler", "mix_seed",
+    "HELD_OUT_SPLITS", "IMAGE_COLUMNS", "LABEL_COLUMNS", "TRAIN_SPLITS", "VAL_SPLITS",
+    "Source", "Splits", "load_eval_split", "load_source", "load_splits",
+    "resolve_workers",
+]

@@ -1,0 +1,272 @@
+"""Datasets and loaders: decoded, augmented uint8 batches of one process's share of each optimizer
+step, made in loader workers; `build_loaders` makes a run's train and validation loaders in one call.
+
+Problems met in a worker travel back inside the batch (an exception raised there would reach the
+run as a traceback): `Batch.bad` (unreadable files, replaced and counted by the run), `Batch.stop`
+(no readable image at all: the loader raises a VramfitError in the main process) and `Batch.notes`
+(said once per run, e.g. huge images).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, NamedTuple
+
+import torch
+from PIL import Image
+
+from ..config import Config, DataConfig
+from ..decode import BadImage, decode_with_size, describe
+from ..errors import VramfitError
+from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
+from .sources import Splits
+from .workers import end_workers_at_exit, init_worker, resolve_workers
+
+log = logging.getLogger(__name__)
+
+# RandomResizedCrop at scale s takes a crop whose side is ~sqrt(s) of the image's, so a JPEG is
+# drafted (decoded at 1/2, 1/4, 1/8 size) to at most this multiple of the crop size. 1.5x is close
+# to the pixel density RandomResizedCrop has on ImageNet itself (shorter side ~1.7x 224), where the
+# usual recipes were tuned; decoding more of a 12 Mpx photo costs time (2x: +17%, full detail for
+# every crop: +46%) for detail only the smallest crops would see. Measured in docs/data.md.
+TRAIN_DRAFT_FACTOR = 1.5
+# Images tried in place of an unreadable train image before the run stops.
+REPLACEMENT_TRIES = 64
+STOP_FILES_LISTED = 10
+
+_NOTES_SAID: set[str] = set()  # note kinds already said by this process
+
+
+def build_transforms(cfg: DataConfig, data_cfg: dict):
+    from timm.data import create_transform
+
+    common = dict(input_size=data_cfg["input_size"], interpolation=data_cfg.get("interpolation", "bilinear"),
+                  mean=data_cfg["mean"], std=data_cfg["std"], use_prefetcher=True)
+    # Random erasing is not done here (re_prob=0) but on the device, on normalised batches
+    # (vramfit.augment), as timm's own prefetcher does.
+    train = create_transform(is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
+                             hflip=cfg.hflip, auto_augment=cfg.auto_augment, re_prob=0.0,
+                             color_jitter=cfg.color_jitter or None, **common)
+    val = create_transform(is_training=False, crop_pct=data_cfg.get("crop_pct", 0.875), **common)
+    return train, val
+
+
+def draft_size(transform, image_size: int) -> int:
+    """The shorter side a JPEG must keep when decoded at reduced size (`decode_image` target), read
+    off the transform that will consume the image, so the draft always follows the crop settings.
+
+    - RandomResizedCrop (train): the crop side is ~sqrt(scale) of the image's, so full detail for
+      every crop would need size / sqrt(scale_min) (792 px at 224 and 0.08); capped at
+      TRAIN_DRAFT_FACTOR x size (336 px at 224).
+    - Resize (eval): exactly the size it resizes to (256 px at 224 and crop_pct 0.875): nothing is
+      lost, the resize only starts from fewer pixels.
+    """
+    for t in getattr(transform, "transforms", [transform]):
+        size, scale = getattr(t, "size", None), getattr(t, "scale", None)
+        if size is None:
+            continue
+        side = max(size) if isinstance(size, (tuple, list)) else int(size)
+        if isinstance(scale, (tuple, list)) and len(scale) == 2:
+            factor = min(1.0 / math.sqrt(max(float(scale[0]), 1e-4)), TRAIN_DRAFT_FACTOR)
+            return math.ceil(side * max(1.0, factor))
+        if "Resize" in type(t).__name__:
+            return side
+    return math.ceil(image_size * 1.15)
+
+
+class Note(NamedTuple):
+    kind: str  # said once per process per kind
+    text: str
+
+
+class Sample(NamedTuple):
+    image: torch.Tensor  # uint8 CHW (or whatever the transform returns)
+    label: int  # -1: masked out (an unreadable evaluation image, or no sample)
+    index: int  # NO_SAMPLE for the placeholder of an empty share
+    step_samples: int
+    bad: str  # "file: reason" of an unreadable file met, or ""
+    stop: str = ""  # why the run cannot go on, or ""
+    note: Note | None = None
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """Decodes in the loader worker through our guarded decoder; a bad file is replaced by a
+    deterministic other sample (train) or masked out (eval), and reported by name."""
+
+    def __init__(self, hf, image_col, label_col, transform, image_size, seed, train: bool):
+        self.hf, self.image_col, self.label_col = hf, image_col, label_col
+        self.transform, self.image_size, self.seed, self.train = transform, image_size, seed, train
+        self.draft = draft_size(transform, image_size)
+
+    def __len__(self):
+        return len(self.hf)
+
+    def _load(self, i):
+        row = self.hf[int(i)]
+        img, (w, h) = decode_with_size(row[self.image_col], self.draft)
+        note = None
+        if w * h > (Image.MAX_IMAGE_PIXELS or math.inf):
+            note = Note("huge", f"huge images are decoded every epoch (e.g. {describe(row[self.image_col])}: "
+                                f"{w}x{h}, over PIL's {Image.MAX_IMAGE_PIXELS / 1e6:.0f} Mpx warning size); "
+                                f"`vramfit prepare` shrinks a dataset once")
+        return img, int(row[self.label_col]), note
+
+    def _empty(self, index: int, step_n: int, bad: str = "", stop: str = "") -> Sample:
+        return Sample(torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8), -1, index,
+                      step_n, bad, stop)
+
+    def __getitem__(self, key) -> Sample:
+        index, epoch, step_n = key if self.train else (key, 0, 0)
+        if index == NO_SAMPLE:
+            return self._empty(index, step_n)
+        bad = ""
+        try:
+            img, label, note = self._load(index)
+        except BadImage as e:
+            bad = f"{describe(self.hf[int(index)][self.image_col])}: {e}"
+            if not self.train:
+                return self._empty(index, step_n, bad)
+            try:
+                img, label, note = self._replacement(index)
+            except _NothingReadable as e:
+                return self._empty(index, step_n, bad, stop=_no_readable_message([bad, *e.tried], len(self.hf)))
+        with SeededRNG(mix_seed(self.seed, epoch, index, "aug")):
+            x = self.transform(img)
+        return Sample(x, label, index, step_n, bad, note=note)
+
+    def _replacement(self, index):
+        # Same replacement on every run (a function of the index only), so resume stays exact.
+        n, tried = len(self.hf), []
+        for k in range(1, REPLACEMENT_TRIES + 1):
+            j = (index + k * 7919) % n
+            try:
+                return self._load(j)
+            except BadImage as e:
+                tried.append(f"{describe(self.hf[int(j)][self.image_col])}: {e}")
+        raise _NothingReadable(tried)
+
+
+class _NothingReadable(Exception):
+    def __init__(self, tried: list[str]):
+        super().__init__(f"{len(tried)} images tried")
+        self.tried = tried
+
+
+def _no_readable_message(tried: list[str], n: int) -> str:
+    files = list(dict.fromkeys(tried))  # a small dataset repeats candidates
+    more = len(files) - STOP_FILES_LISTED
+    return (f"No readable training image: {files[0].split(': ')[0]} and every image tried in its place "
+            f"({len(files)} distinct of {n}) are unreadable:\n  " + "\n  ".join(files[:STOP_FILES_LISTED])
+            + (f"\n  ... and {more} more" if more > 0 else ""))
+
+
+@dataclass
+class Batch:
+    images: torch.Tensor  # uint8 NCHW
+    labels: torch.Tensor
+    indices: torch.Tensor
+    step_samples: int  # samples in the whole optimizer batch across processes (0 for eval)
+    bad: list[str]
+    stop: str = ""  # set: the run must stop (see the module docstring)
+    notes: list[Note] = field(default_factory=list)
+
+
+def collate(items: list, image_size: int | None = None) -> Batch:
+    """One batch of samples; the NO_SAMPLE placeholder of an empty share is left out, so the batch
+    may be empty: (0, 3, image_size, image_size) uint8, still carrying the step's sample count."""
+    items = [Sample(*it) for it in items]
+    real = [it for it in items if it.index != NO_SAMPLE]
+    if real:
+        images = torch.stack([torch.as_tensor(it.image) for it in real])
+    else:
+        side = image_size or (items[0].image.shape[-1] if items else 0)
+        images = torch.empty((0, 3, side, side), dtype=torch.uint8)
+    return Batch(images, torch.tensor([it.label for it in real], dtype=torch.long),
+                 torch.tensor([it.index for it in real], dtype=torch.long),
+                 int(items[0].step_samples) if items else 0, [it.bad for it in real if it.bad],
+                 next((it.stop for it in real if it.stop), ""), [it.note for it in real if it.note])
+
+
+class CheckedLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader, acting in the main process on what its workers report (see the module
+    docstring)."""
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if batch.stop:
+                raise VramfitError(batch.stop, hint="fix or delete these files (`vramfit scan-data "
+                                                    "--data SRC` lists every unreadable one)")
+            for note in batch.notes:
+                if note.kind not in _NOTES_SAID:
+                    _NOTES_SAID.add(note.kind)
+                    log.warning("note: %s", note.text)
+            yield batch
+
+
+def make_loader(ds, batch_sampler=None, batch_size=None, workers=0, pin=False, seed=0) -> CheckedLoader:
+    # Its own generator: creating an iterator each epoch must not draw from the global RNG, or a
+    # resumed run's dropout stream would be shifted by one draw.
+    kw = dict(num_workers=workers, pin_memory=pin,
+              collate_fn=partial(collate, image_size=getattr(ds, "image_size", None)),
+              generator=torch.Generator().manual_seed(seed))
+    if workers > 0:
+        kw.update(persistent_workers=True, prefetch_factor=4, worker_init_fn=init_worker)
+        end_workers_at_exit()
+    if batch_sampler is not None:
+        return CheckedLoader(ds, batch_sampler=batch_sampler, **kw)
+    return CheckedLoader(ds, batch_size=batch_size, shuffle=False, **kw)
+
+
+def normalizer(data_cfg: dict, device, channels_last: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    mean = torch.tensor(data_cfg["mean"], device=device).view(1, 3, 1, 1) * 255.0
+    std = torch.tensor(data_cfg["std"], device=device).view(1, 3, 1, 1) * 255.0
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        # One float copy, normalised in place (a uint8 -> float batch at 224 px is 600 KB a sample).
+        out = x.to(device, non_blocking=True).to(torch.float32, memory_format=fmt)
+        return out.sub_(mean).div_(std)
+
+    return norm
+
+
+def check_batch_shape(images: torch.Tensor, image_size: int) -> None:
+    """The 'resize written but never applied' guard: stop at step 1, not at an OOM later."""
+    if images.dim() != 4 or tuple(images.shape[1:]) != (3, image_size, image_size):
+        raise VramfitError(
+            f"Training batches have shape {tuple(images.shape)}, expected (N, 3, {image_size}, "
+            f"{image_size}): the resize/crop transform is not being applied to the images.",
+            hint="check data.image_size and that the dataset goes through the train transform")
+
+
+@dataclass
+class Loaders:
+    train: CheckedLoader  # this process's share of each optimizer step (StepBatchSampler)
+    val: torch.utils.data.DataLoader  # prepared by Accelerate: each process evaluates a part
+    sampler: StepBatchSampler
+    workers: int  # loader worker processes per loader
+    normalize: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
+
+
+def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval_batch: int) -> Loaders:
+    """The train and validation loaders of a run, for this process of `accelerator`."""
+    device_type = accelerator.device.type
+    # Processes of this machine share its CPUs (torchrun / accelerate launch export the count).
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    workers = resolve_workers(cfg.data, device_type, local)
+    pin = device_type == "cuda"
+    train_tf, val_tf = build_transforms(cfg.data, data_cfg)
+    sampler = StepBatchSampler(len(splits.train), cfg.train.global_batch, accelerator.process_index,
+                               accelerator.num_processes, cfg.train.seed)
+    train_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf,
+                            cfg.data.image_size, cfg.train.seed, train=True)
+    val_ds = ImageDataset(splits.val, splits.image_column, splits.label_column, val_tf,
+                          cfg.data.image_size, cfg.train.seed, train=False)
+    train = make_loader(train_ds, batch_sampler=sampler, workers=workers, pin=pin)
+    val = accelerator.prepare_data_loader(make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))
+    return Loaders(train, val, sampler, workers,
+                   normalizer(data_cfg, accelerator.device, cfg.model.channels_last))
