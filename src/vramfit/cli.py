@@ -20,7 +20,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="samples per optimizer step across all processes")
     p.add_argument("--micro-batch", dest="train.micro_batch", type=_micro,
                    help="samples per forward/backward on one process, or `auto`")
-    p.add_argument("--precision", dest="train.precision", choices=["auto", "no", "fp16", "bf16"])
+    p.add_argument("--precision", dest="train.precision", choices=["auto", "fp32", "no", "bf16", "fp16"],
+                   help="fp32 (`no` is the same), bf16 or fp16 autocast; auto: bf16 where the GPU has it")
     p.add_argument("--grad-checkpointing", dest="model.grad_checkpointing",
                    action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",

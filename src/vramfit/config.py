@@ -17,6 +17,21 @@ from .errors import VramfitError
 
 REPO_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
+# Other names of a precision: `no` is Accelerate's name for fp32, `32` Lightning's; YAML reads a
+# bare `no` (`precision: no`, `--set train.precision=no`) as false.
+_PRECISION_ALIASES = {"no": "fp32", "32": "fp32", "false": "fp32"}
+
+
+def normalize_precision(value):
+    """The one name of a precision (`no` and `32` are fp32); anything else is left to validation."""
+    return _PRECISION_ALIASES.get(str(value).lower(), value) if isinstance(value, (str, int)) else value
+
+
+def accelerate_precision(name: str) -> str:
+    """What `Accelerator(mixed_precision=...)` takes for a precision: fp32 is `no`."""
+    name = normalize_precision(name)
+    return "no" if name == "fp32" else name
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -83,7 +98,9 @@ class TrainConfig(Section):
     global_batch: int = Field(64, ge=1)
     micro_batch: int | Literal["auto"] | None = None
     eval_batch: int | None = None
-    precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
+    # fp32 (`no`, Accelerate's name, is accepted too), bf16 or fp16 autocast; `auto`: bf16 where the
+    # GPU has it, else fp16; fp32 on a CPU.
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     clip_grad_norm: float | None = 1.0
     seed: int = 0
@@ -93,6 +110,11 @@ class TrainConfig(Section):
     cudnn_benchmark: bool = True
     # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
     max_consecutive_skipped_steps: int = Field(25, ge=1)
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_name(cls, v):
+        return normalize_precision(v)
 
     @field_validator("micro_batch")
     @classmethod

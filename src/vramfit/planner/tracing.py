@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import Config
+from ..config import Config, accelerate_precision
 from ..errors import VramfitError
 
 # ---------------------------------------------------------------------------------------------
@@ -297,11 +297,12 @@ class AllocationLog:
 
 
 def resolve_precision(precision: str | None, cfg: Config | None = None) -> str:
-    """`auto` plans as bf16 (what the trainer picks on any GPU with bf16); `fp32` means `no`."""
-    p = precision or (cfg.train.precision if cfg is not None else "auto")
-    p = {"auto": "bf16", "fp32": "no", "32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(p, p)
+    """As Accelerate names it (`no` is fp32); `auto` plans as bf16 (what the trainer picks on any
+    GPU with bf16)."""
+    p = accelerate_precision(precision or (cfg.train.precision if cfg is not None else "auto"))
+    p = {"auto": "bf16", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(p, p)
     if p not in ("no", "bf16", "fp16"):
-        raise VramfitError(f"Unknown precision `{p}` for planning.", hint="use no, bf16, fp16 or auto")
+        raise VramfitError(f"Unknown precision `{p}` for planning.", hint="use fp32, bf16, fp16 or auto")
     return p
 
 
