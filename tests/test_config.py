@@ -5,11 +5,11 @@ import pytest
 import yaml
 
 from vramfit.batching import grad_accum_steps, per_process_batch
-from vramfit.config import Config, build_config
+from vramfit.config import PACKAGE_RECIPES, Config, build_config
 from vramfit.errors import VramfitError
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+RECIPES = sorted(PACKAGE_RECIPES.glob("*.yaml"))
 ACCEL = sorted((REPO / "accel_configs").glob("*.yaml"))
 
 
@@ -50,7 +50,7 @@ def test_every_accelerate_config_loads(path):
 def test_by_name_or_path_and_precedence(tmp_path):
     cfg = build_config("quickstart")
     assert cfg.data.source == "digits" and cfg.model.name == "resnet18"
-    cfg = build_config(str(REPO / "recipes" / "quickstart.yaml"), sets=["optim.lr=0.5", "train.epochs=3"],
+    cfg = build_config(str(PACKAGE_RECIPES / "quickstart.yaml"), sets=["optim.lr=0.5", "train.epochs=3"],
                        flags={"optim.lr": 0.25})
     assert cfg.optim.lr == 0.25  # flag beats --set
     assert cfg.train.epochs == 3  # --set beats recipe

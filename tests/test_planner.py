@@ -6,14 +6,13 @@ Hand counts below round every tensor up to the CUDA caching allocator's 512-byte
 import io
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from vramfit import planner as P
-from vramfit.config import Config
+from vramfit.config import PACKAGE_RECIPES, Config
 
 MiB, GiB = 2**20, 2**30
 
@@ -352,7 +351,7 @@ def test_resnet50_plan_time_and_sanity_anchor():
     assert bf16.activations_bytes < 0.6 * e32.activations_bytes
 
 
-GPU_RECIPES = sorted(p for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")
+GPU_RECIPES = sorted(p for p in PACKAGE_RECIPES.glob("*.yaml")
                      if "memory_gib" in p.read_text())
 
 

@@ -15,7 +15,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import VramfitError
 
-REPO_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+# The recipes vramfit ships, as package data: there after `pip install` from a wheel too.
+PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
+
+# Other names of a precision: `no` is Accelerate's name for fp32, `32` Lightning's; YAML reads a
+# bare `no` (`precision: no`, `--set train.precision=no`) as false.
+_PRECISION_ALIASES = {"no": "fp32", "32": "fp32", "false": "fp32"}
+
+
+def normalize_precision(value):
+    """The one name of a precision (`no` and `32` are fp32); anything else is left to validation."""
+    return _PRECISION_ALIASES.get(str(value).lower(), value) if isinstance(value, (str, int)) else value
+
+
+def accelerate_precision(name: str) -> str:
+    """What `Accelerator(mixed_precision=...)` takes for a precision: fp32 is `no`."""
+    name = normalize_precision(name)
+    return "no" if name == "fp32" else name
 
 # Other names of a precision: `no` is Accelerate's name for fp32, `32` Lightning's; YAML reads a
 # bare `no` (`precision: no`, `--set train.precision=no`) as false.
@@ -110,6 +126,11 @@ class TrainConfig(Section):
     cudnn_benchmark: bool = True
     # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
     max_consecutive_skipped_steps: int = Field(25, ge=1)
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_name(cls, v):
+        return normalize_precision(v)
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -212,21 +233,25 @@ class Config(Section):
 # Loading and overriding
 
 
+def recipe_dirs() -> list[Path]:
+    """Where `--recipe NAME` looks: `./recipes` (your own) first, then the ones vramfit ships."""
+    return [Path.cwd() / "recipes", PACKAGE_RECIPES]
+
+
 def find_recipe(name: str) -> Path:
-    """`--recipe NAME` finds `recipes/NAME.yaml` (cwd first, then the repository), or takes a path."""
+    """`--recipe NAME` finds `NAME.yaml` in `recipe_dirs()`, or takes a path to a YAML file."""
     p = Path(name)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p
-    for base in (Path.cwd() / "recipes", REPO_RECIPES):
+    for base in recipe_dirs():
         cand = base / f"{name}.yaml"
         if cand.is_file():
             return cand
-    known = sorted({q.stem for base in (Path.cwd() / "recipes", REPO_RECIPES) if base.is_dir()
-                    for q in base.glob("*.yaml")})
+    known = sorted({q.stem for base in recipe_dirs() if base.is_dir() for q in base.glob("*.yaml")})
     close = difflib.get_close_matches(name, known, n=3)
     raise VramfitError(
-        f"Recipe `{name}` was not found (looked for a YAML file, ./recipes/{name}.yaml and "
-        f"{REPO_RECIPES}/{name}.yaml).",
+        f"Recipe `{name}` was not found (looked for a YAML file, ./recipes/{name}.yaml and the "
+        f"recipes vramfit ships in {PACKAGE_RECIPES}).",
         hint=(f"did you mean {', '.join(close)}? " if close else "")
         + f"Known recipes: {', '.join(known) or 'none'}; or pass a path to a YAML file.")
 
