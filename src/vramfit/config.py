@@ -33,21 +33,6 @@ def accelerate_precision(name: str) -> str:
     name = normalize_precision(name)
     return "no" if name == "fp32" else name
 
-# Other names of a precision: `no` is Accelerate's name for fp32, `32` Lightning's; YAML reads a
-# bare `no` (`precision: no`, `--set train.precision=no`) as false.
-_PRECISION_ALIASES = {"no": "fp32", "32": "fp32", "false": "fp32"}
-
-
-def normalize_precision(value):
-    """The one name of a precision (`no` and `32` are fp32); anything else is left to validation."""
-    return _PRECISION_ALIASES.get(str(value).lower(), value) if isinstance(value, (str, int)) else value
-
-
-def accelerate_precision(name: str) -> str:
-    """What `Accelerator(mixed_precision=...)` takes for a precision: fp32 is `no`."""
-    name = normalize_precision(name)
-    return "no" if name == "fp32" else name
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -126,11 +111,6 @@ class TrainConfig(Section):
     cudnn_benchmark: bool = True
     # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
     max_consecutive_skipped_steps: int = Field(25, ge=1)
-
-    @field_validator("precision", mode="before")
-    @classmethod
-    def _precision_name(cls, v):
-        return normalize_precision(v)
 
     @field_validator("precision", mode="before")
     @classmethod
