@@ -7,6 +7,7 @@ loader can skip and count the sample instead of crashing the run (DESIGN.md, "No
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -50,15 +51,14 @@ def decode_with_size(
 ) -> tuple[Image.Image, tuple[int, int]]:
     """`decode_image`, and the stored size (width, height) of the image before any draft or rotation.
 
-    PIL's DecompressionBombWarning (images between Image.MAX_IMAGE_PIXELS and the hard limit) is not
-    raised: it would print once per file and worker; the caller decides, from the size, what to say.
+    PIL's DecompressionBombWarning is not raised (see `quiet_bomb_warnings`); the caller decides,
+    from the size, what to say.
     """
     if target_size is not None and target_size < 1:
         raise ValueError(f"target_size must be >= 1, got {target_size}")
     fmt = "image"
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with quiet_bomb_warnings():
             img, owned = _open(item)
         fmt = img.format or fmt
         size = img.size
@@ -88,6 +88,16 @@ def decode_with_size(
         raise
     except Exception as exc:  # PIL plugins raise almost any type on malformed input
         raise BadImage(_reason(exc, fmt)) from exc
+
+
+@contextlib.contextmanager
+def quiet_bomb_warnings():
+    """Silence PIL's DecompressionBombWarning (images between Image.MAX_IMAGE_PIXELS and twice that;
+    PIL checks on open and again on crop): it prints once per file and process, where callers say
+    once what matters. Images above our own `max_pixels` still fail as BadImage."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
 
 
 def describe(item) -> str:

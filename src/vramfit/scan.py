@@ -19,7 +19,7 @@ from PIL import Image
 
 from .config import DataConfig
 from .data import Source, load_source
-from .decode import BadImage, decode_image, describe, read_file
+from .decode import BadImage, decode_image, describe, quiet_bomb_warnings, read_file
 
 # Thresholds of the "unusual" flags (docs/data.md): none of them stops training.
 TINY_SIDE = 32  # px: upscaled a lot to any useful image_size
@@ -49,7 +49,9 @@ def inspect_item(item) -> tuple[str, str, str, tuple[str, ...]]:
             data = {"bytes": read_file(item["path"]), "path": item["path"]}  # read once, use twice
         raw = data.get("bytes") if isinstance(data, dict) else data
         if isinstance(raw, (bytes, bytearray)) and raw:
-            with Image.open(io.BytesIO(raw)) as img:  # header only: mode, size, frames
+            with quiet_bomb_warnings():  # the `huge` flag says it, once per file
+                img = Image.open(io.BytesIO(raw))  # header only: mode, size, frames
+            with img:
                 size, mode = f"{img.width}x{img.height}", img.mode
                 flags += _flags(img)
         elif isinstance(raw, Image.Image):

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from ..config import Config, DataConfig
-from ..decode import BadImage, decode_with_size, describe
+from ..decode import BadImage, decode_with_size, describe, quiet_bomb_warnings
 from ..errors import VramfitError
 from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
 from .sources import Splits
@@ -37,8 +37,6 @@ TRAIN_DRAFT_FACTOR = 1.5
 # Images tried in place of an unreadable train image before the run stops.
 REPLACEMENT_TRIES = 64
 STOP_FILES_LISTED = 10
-
-_NOTES_SAID: set[str] = set()  # note kinds already said by this process
 
 
 def build_transforms(cfg: DataConfig, data_cfg: dict):
@@ -79,7 +77,7 @@ def draft_size(transform, image_size: int) -> int:
 
 
 class Note(NamedTuple):
-    kind: str  # said once per process per kind
+    kind: str  # said once per loader and kind
     text: str
 
 
@@ -111,7 +109,7 @@ class ImageDataset(torch.utils.data.Dataset):
         note = None
         if w * h > (Image.MAX_IMAGE_PIXELS or math.inf):
             note = Note("huge", f"huge images are decoded every epoch (e.g. {describe(row[self.image_col])}: "
-                                f"{w}x{h}, over PIL's {Image.MAX_IMAGE_PIXELS / 1e6:.0f} Mpx warning size); "
+                                f"{w}x{h}, over PIL's warning size of {Image.MAX_IMAGE_PIXELS:,} pixels); "
                                 f"`vramfit prepare` shrinks a dataset once")
         return img, int(row[self.label_col]), note
 
@@ -134,8 +132,8 @@ class ImageDataset(torch.utils.data.Dataset):
                 img, label, note = self._replacement(index)
             except _NothingReadable as e:
                 return self._empty(index, step_n, bad, stop=_no_readable_message([bad, *e.tried], len(self.hf)))
-        with SeededRNG(mix_seed(self.seed, epoch, index, "aug")):
-            x = self.transform(img)
+        with SeededRNG(mix_seed(self.seed, epoch, index, "aug")), quiet_bomb_warnings():
+            x = self.transform(img)  # a crop of a huge image warns again
         return Sample(x, label, index, step_n, bad, note=note)
 
     def _replacement(self, index):
@@ -159,8 +157,9 @@ class _NothingReadable(Exception):
 def _no_readable_message(tried: list[str], n: int) -> str:
     files = list(dict.fromkeys(tried))  # a small dataset repeats candidates
     more = len(files) - STOP_FILES_LISTED
-    return (f"No readable training image: {files[0].split(': ')[0]} and every image tried in its place "
-            f"({len(files)} distinct of {n}) are unreadable:\n  " + "\n  ".join(files[:STOP_FILES_LISTED])
+    return (f"No readable training image: {files[0].split(': ')[0]} is unreadable, and so are the "
+            f"{REPLACEMENT_TRIES} images tried in its place ({len(files)} files of the {n} in the training "
+            f"split):\n  " + "\n  ".join(files[:STOP_FILES_LISTED])
             + (f"\n  ... and {more} more" if more > 0 else ""))
 
 
@@ -195,14 +194,18 @@ class CheckedLoader(torch.utils.data.DataLoader):
     """torch's DataLoader, acting in the main process on what its workers report (see the module
     docstring)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.notes_said: set[str] = set()
+
     def __iter__(self):
         for batch in super().__iter__():
             if batch.stop:
                 raise VramfitError(batch.stop, hint="fix or delete these files (`vramfit scan-data "
                                                     "--data SRC` lists every unreadable one)")
             for note in batch.notes:
-                if note.kind not in _NOTES_SAID:
-                    _NOTES_SAID.add(note.kind)
+                if note.kind not in self.notes_said:
+                    self.notes_said.add(note.kind)
                     log.warning("note: %s", note.text)
             yield batch
 
