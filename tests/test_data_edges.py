@@ -144,6 +144,18 @@ def test_a_named_split_loads_for_evaluation_with_the_run_classes(tmp_path):
         D.load_eval_split(cfg(tmp_path), "test", ["ant", "bee"])
 
 
+def test_prepare_keeps_a_test_split_as_test_not_as_validation(tmp_path, capsys):
+    from vramfit.prepare import prepare
+
+    class_tree(tmp_path / "src" / "train", {"cat": 4, "dog": 4}, size=(12, 12))
+    class_tree(tmp_path / "src" / "test", {"cat": 2, "dog": 1}, size=(12, 12), seed=2)
+    report = prepare(cfg(tmp_path / "src"), str(tmp_path / "dst"), max_side=12, workers=1)
+    assert report["written"] == {"train": 8, "test": 3}  # before: the test split became `validation`
+    src = D.load_source(cfg(tmp_path / "dst"))
+    assert src.val is None and src.held_out == ["test"]
+    assert len(D.load_eval_split(cfg(tmp_path / "dst"), "test", src.class_names)) == 3
+
+
 @pytest.fixture(scope="module")
 def transforms():
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD

@@ -3,7 +3,8 @@
 Every image is decoded (EXIF rotation, alpha, 16-bit ... handled by `decode_image`), shrunk so its
 longer side is at most `max_side`, re-encoded as a JPEG and written, with its ClassLabel, into an
 Arrow dataset (`save_to_disk`) that `--data DST` then loads. Splits are kept as the source has them
-(train, and validation if it has one; a source without one is still split at training time).
+(train, validation if it has one, and held-out splits such as test under their own names; a source
+without a validation split is still split at training time).
 Unreadable files are dropped, counted and listed (also in DST/vramfit_prepare.json).
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from PIL import Image
 
 from .config import DataConfig
-from .data import load_source
+from .data import load_eval_split, load_source
 from .decode import BadImage, decode_image, describe
 from .errors import VramfitError
 
@@ -70,93 +71,29 @@ def _prepare_chunk(job: tuple[str, int, int]):
 
 def prepare(cfg: DataConfig, output: str, max_side: int = 320, quality: int = 90,
             workers: int | None = None, log=None) -> dict:
-    import datasets
-    from datasets.arrow_writer import ArrowWriter
-
     log = log or sys.stdout
-    if max_side < 8:
-        raise VramfitError(f"--max-side {max_side} is too small.",
-                           hint="use at least the training image size, e.g. --max-side 320 for 224 px")
-    if not 1 <= quality <= 100:
-        raise VramfitError(f"--quality {quality} is outside 1..100.", hint="90 keeps JPEG artefacts invisible")
-    out = Path(output).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise VramfitError(f"--output {out} already exists and is not empty.",
-                           hint="pick a new folder; prepare never overwrites")
+    out = _check_request(output, max_side, quality)
     t0 = time.time()
     src = load_source(cfg)
-    parts = {"train": src.train, **({"validation": src.val} if src.val is not None else {})}
-    # `file`: where each image came from (save_to_disk keeps only the base name in the image's path).
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=src.class_names),
-                                  "file": datasets.Value("string")})
-    root = str(src.root) + os.sep if src.root else None
+    notes = list(src.notes)
+    parts = _parts(cfg, src, notes)
     workers = workers or _cpus()
-    jobs = [(k, s, min(s + CHUNK, len(ds))) for k, ds in parts.items() for s in range(0, len(ds), CHUNK)]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    dropped: list[dict] = []
-    written = {k: 0 for k in parts}
-    bytes_out = 0
     print(f"prepare: {src.description} -> {out} (longer side <= {max_side} px, JPEG q{quality}, "
           f"{workers} worker(s))", file=log)
-    for note in src.notes:
+    for note in notes:
         print(f"  note: {note}", file=log)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        writers = {k: ArrowWriter(features=features, path=str(tmp / f"{k}.arrow")) for k in parts}
-        init = (parts, src.image_column, src.label_column, max_side, quality)
-        if workers <= 1:
-            _init_worker(*init)
-            results = map(_prepare_chunk, jobs)
-            pool = None
-        else:
-            pool = mp.get_context().Pool(workers, _init_worker, init)
-            results = pool.imap(_prepare_chunk, jobs)  # ordered: the output keeps the source order
-        try:
-            for split, rows in results:
-                for index, name, data, label, reason in rows:
-                    if data is None:
-                        dropped.append({"split": split, "index": index, "file": name,
-                                        "reason": reason})
-                        continue
-                    if name.startswith("<"):  # no file name: bytes inside a dataset
-                        name = f"{split}-{index:08d}.jpg"
-                    elif root and name.startswith(root):
-                        name = name[len(root):]
-                    # Written as is, not through features.encode_example: that keeps only the
-                    # path when it names an existing file, and save_to_disk would then embed
-                    # the original, unshrunk file.
-                    writers[split].write({"image": {"bytes": data, "path": name}, "label": label,
-                                          "file": name})
-                    written[split] += 1
-                    bytes_out += len(data)
-        finally:
-            if pool is not None:
-                pool.close()
-                pool.join()
-        for w in writers.values():
-            w.finalize()
-            w.close()
+        written, dropped, bytes_out = _convert(parts, src, tmp, max_side, quality, workers)
         if written["train"] == 0:
             raise VramfitError("prepare: no readable training image, nothing written.",
                                hint="run `vramfit scan-data --data SRC` to see why")
-        dd = datasets.DatasetDict({k: datasets.Dataset.from_file(str(tmp / f"{k}.arrow"))
-                                   for k in parts if written[k]})
-        staging = tmp / "dataset"
-        bars = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()  # one bar per split; our summary line says it all
-        try:
-            dd.save_to_disk(str(staging))
-        finally:
-            if bars:
-                datasets.enable_progress_bars()
         report = {"source": cfg.source, "description": src.description, "max_side": max_side,
                   "quality": quality, "class_names": src.class_names, "written": written,
-                  "bytes": bytes_out, "dropped": dropped, "notes": src.notes,
+                  "bytes": bytes_out, "dropped": dropped, "notes": notes,
                   "seconds": round(time.time() - t0, 2)}
-        (staging / REPORT).write_text(json.dumps(report, indent=1))
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(staging, out)
+        _save(tmp, written, report, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -170,6 +107,98 @@ def prepare(cfg: DataConfig, output: str, max_side: int = 320, quality: int = 90
     print(f"train on it with: vramfit train --data {out}", file=log)
     log.flush()
     return report
+
+
+def _check_request(output: str, max_side: int, quality: int) -> Path:
+    if max_side < 8:
+        raise VramfitError(f"--max-side {max_side} is too small.",
+                           hint="use at least the training image size, e.g. --max-side 320 for 224 px")
+    if not 1 <= quality <= 100:
+        raise VramfitError(f"--quality {quality} is outside 1..100.", hint="90 keeps JPEG artefacts invisible")
+    out = Path(output).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise VramfitError(f"--output {out} already exists and is not empty.",
+                           hint="pick a new folder; prepare never overwrites")
+    return out
+
+
+def _parts(cfg: DataConfig, src, notes: list[str]) -> dict:
+    """The splits to write: train, validation, and the held-out splits (e.g. test) under their own
+    names, so the prepared dataset keeps them for a final evaluation (never as validation)."""
+    parts = {"train": src.train, **({"validation": src.val} if src.val is not None else {})}
+    for name in src.held_out:
+        try:
+            parts[name] = load_eval_split(cfg, name, src.class_names)
+        except VramfitError as e:  # e.g. an unlabelled Hub test split: train and validation still go
+            notes.append(f"{name} split not written: {e.message}")
+    return parts
+
+
+def _convert(parts: dict, src, tmp: Path, max_side: int, quality: int, workers: int):
+    """Shrink every image of `parts` into one Arrow file per split under tmp:
+    (written per split, dropped files, bytes written)."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    # `file`: where each image came from (save_to_disk keeps only the base name in the image's path).
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=src.class_names),
+                                  "file": datasets.Value("string")})
+    root = str(src.root) + os.sep if src.root else None
+    jobs = [(k, s, min(s + CHUNK, len(ds))) for k, ds in parts.items() for s in range(0, len(ds), CHUNK)]
+    dropped: list[dict] = []
+    written = {k: 0 for k in parts}
+    bytes_out = 0
+    writers = {k: ArrowWriter(features=features, path=str(tmp / f"{k}.arrow")) for k in parts}
+    init = (parts, src.image_column, src.label_column, max_side, quality)
+    if workers <= 1:
+        _init_worker(*init)
+        results, pool = map(_prepare_chunk, jobs), None
+    else:
+        pool = mp.get_context().Pool(workers, _init_worker, init)
+        results = pool.imap(_prepare_chunk, jobs)  # ordered: the output keeps the source order
+    try:
+        for split, rows in results:
+            for index, name, data, label, reason in rows:
+                if data is None:
+                    dropped.append({"split": split, "index": index, "file": name, "reason": reason})
+                    continue
+                if name.startswith("<"):  # no file name: bytes inside a dataset
+                    name = f"{split}-{index:08d}.jpg"
+                elif root and name.startswith(root):
+                    name = name[len(root):]
+                # Written as is, not through features.encode_example: that keeps only the path when
+                # it names an existing file, and save_to_disk would then embed the original file.
+                writers[split].write({"image": {"bytes": data, "path": name}, "label": label, "file": name})
+                written[split] += 1
+                bytes_out += len(data)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    for w in writers.values():
+        w.finalize()
+        w.close()
+    return written, dropped, bytes_out
+
+
+def _save(tmp: Path, written: dict, report: dict, out: Path) -> None:
+    """The written splits as one saved dataset, moved into place whole (never half-written)."""
+    import datasets
+
+    dd = datasets.DatasetDict({k: datasets.Dataset.from_file(str(tmp / f"{k}.arrow"))
+                               for k, n in written.items() if n})
+    staging = tmp / "dataset"
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # one bar per split; our summary line says it all
+    try:
+        dd.save_to_disk(str(staging))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    (staging / REPORT).write_text(json.dumps(report, indent=1))
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    os.replace(staging, out)
 
 
 def _cpus() -> int:

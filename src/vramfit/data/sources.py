@@ -54,6 +54,7 @@ class Source:
     root: Path | None = None  # the local folder or file it came from, for short file names
     val_name: str | None = None  # the source's own name of the validation split
     empty_classes: list[str] = field(default_factory=list)
+    held_out: list[str] = field(default_factory=list)  # test / eval splits left for `load_eval_split`
 
 
 @dataclass
@@ -107,7 +108,7 @@ def load_source(cfg: DataConfig) -> Source:
 
     raw = _load_raw(cfg)
     desc, notes = raw.description, list(raw.notes)
-    train_name, val_name = _pick_splits(cfg, list(raw.splits.keys()), desc, notes)
+    train_name, val_name, held_out = _pick_splits(cfg, list(raw.splits.keys()), desc, notes)
     train = raw.splits[train_name]
     image_col = pick_image_column(train, cfg.image_column)
     label_col = pick_label_column(train, image_col, cfg.label_column)
@@ -131,11 +132,11 @@ def load_source(cfg: DataConfig) -> Source:
             parts[k] = ds.cast_column(image_col, datasets.Image(decode=False))
     root = Path(os.path.abspath(raw.root)) if raw.root is not None else None  # dataset paths are absolute
     return Source(parts["train"], parts.get("val"), class_names, image_col, label_col, desc, notes,
-                  root, val_name, list(raw.empty_classes))
+                  root, val_name, list(raw.empty_classes), held_out)
 
 
 def _pick_splits(cfg: DataConfig, names: list[str], desc: str, notes: list[str]):
-    """(train split, validation split or None); says which splits are left, and for what."""
+    """(train split, validation split or None, held-out splits); says which are left, and for what."""
     train_name = cfg.train_split or ("train" if "train" in names else names[0])
     if train_name not in names:
         raise VramfitError(f"data.train_split `{train_name}` is not a split of {desc}.",
@@ -153,7 +154,7 @@ def _pick_splits(cfg: DataConfig, names: list[str], desc: str, notes: list[str])
     if other:
         notes.append(f"unused split(s): {', '.join(other)} (choose with data.train_split / "
                      f"data.val_split)")
-    return train_name, val_name
+    return train_name, val_name, held
 
 
 def _looks_like_path(s: str) -> bool:
