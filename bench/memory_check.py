@@ -3,6 +3,7 @@
     python bench/memory_check.py              # full check, one GPU, < 8 min on an H200
     python bench/memory_check.py --quick      # subset (~2 min)
     python bench/memory_check.py --dry-run    # no GPU needed: the planner's predictions only
+    python bench/memory_check.py --published  # no GPU needed: picks against published batch sizes
 
 Part 1 (accuracy): ResNet50, EfficientNet-B0, ResNet18 x {fp32, bf16, fp16} x grad checkpointing
 {off, on} x micro-batch {32, 64, 128} at 224 px, AdamW, clip 1.0, label smoothing 0.1 -- the step
@@ -58,24 +59,30 @@ CLASSES = 1000
 DEVICE = "cuda"
 
 
-def config(model: str, precision: str, ckpt: bool, micro: int) -> Config:
+# Published known-to-fit batch sizes for training ResNet50 at 224 px (SGD with momentum, no
+# accumulation): (card sold as GB, precision, batch). AMP on these cards (Turing, Volta) is fp16.
+PUBLISHED = [(8, "fp32", 64), (8, "fp16", 120), (16, "fp32", 152), (16, "fp16", 288)]
+
+
+def config(model: str, precision: str, ckpt: bool, micro: int, optim: str = "adamw") -> Config:
     return Config.model_validate({
         "model": {"name": model, "grad_checkpointing": ckpt},
         "data": {"image_size": IMAGE},
         "train": {"global_batch": micro, "micro_batch": micro, "precision": precision},
+        "optim": {"name": optim},
     })
 
 
-def predict(model: str, precision: str, ckpt: bool, micro: int) -> P.MemoryEstimate:
-    return P.estimate(config(model, precision, ckpt, micro), CLASSES, micro, per_process_batch=micro)
+def predict(model: str, precision: str, ckpt: bool, micro: int, optim: str = "adamw") -> P.MemoryEstimate:
+    return P.estimate(config(model, precision, ckpt, micro, optim), CLASSES, micro, per_process_batch=micro)
 
 
-def planner_max(model: str, precision: str, budget: int, hi: int = 4096) -> int:
+def planner_max(model: str, precision: str, budget: int, hi: int = 4096, optim: str = "adamw") -> int:
     """Largest micro-batch (any integer) whose predicted peak fits `budget` (peaks grow with it)."""
     lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if predict(model, precision, False, mid).peak_bytes <= budget:
+        if predict(model, precision, False, mid, optim).peak_bytes <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -196,6 +203,21 @@ def true_max(model: str, precision: str, guess: int, known: dict[int, bool]) -> 
     return lo
 
 
+def published_table() -> str:
+    """The planner's largest batch (margin 0) and its default pick (the default safety margin) on
+    each card of PUBLISHED, next to the published batch: a markdown table (docs/memory.md)."""
+    margin = Config().hardware.safety_margin
+    rows = ["| card | reported total | precision | published | planner max (margin 0) | default pick "
+            f"(margin {margin:g}) |", "|---|---:|---|---:|---:|---:|"]
+    for gib, prec, batch in PUBLISHED:
+        total = P.reported_total_bytes(gib)
+        m0 = planner_max("resnet50", prec, total, hi=1024, optim="sgd")
+        m1 = planner_max("resnet50", prec, int(total * (1 - margin)), hi=1024, optim="sgd")
+        rows.append(f"| {gib} GB | {total / GiB:.2f} GiB | {prec} | {batch} | {m0} ({m0 / batch - 1:+.0%}) | "
+                    f"{m1} ({m1 / batch - 1:+.0%}) |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -204,11 +226,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="ResNet50 + EfficientNet-B0, fp32/bf16, no checkpointing, "
                                                          "micro 32/64; picks for ResNet50 bf16 only")
     ap.add_argument("--dry-run", action="store_true", help="print the planner's predictions only (no GPU)")
+    ap.add_argument("--published", action="store_true",
+                    help="print the planner's picks against published batch sizes (no GPU, ~15 s)")
     ap.add_argument("--cap-gib", type=float, default=12.0, help="card size for the pick check (default 12)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="stop starting new work after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    if args.published:
+        print(published_table())
+        return 0
 
     models, precs, ckpts, micros = MODELS, PRECISIONS, [False, True], MICROS
     pick_cases = [(m, p) for m in MODELS for p in PRECISIONS]

@@ -99,7 +99,7 @@ def test_auto_plans_for_the_memory_other_processes_leave(tmp_path, monkeypatch, 
     assert "other processes" not in caplog.text
     held_by_others[0] = 10 * 2**30
     shared = auto_micro_batch(cfg, 10, 128, device=torch.device("cuda", 0))
-    assert shared["budget_bytes"] < 2 * 2**30 < 10 * 2**30 < alone["budget_bytes"]
+    assert shared["budget_bytes"] < 2.5 * 2**30 < 9 * 2**30 < alone["budget_bytes"]
     assert shared["micro_batch"] < alone["micro_batch"]
     assert "other processes hold about 10.0 GiB" in caplog.text
 

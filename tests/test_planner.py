@@ -6,6 +6,7 @@ Hand counts below round every tensor up to the CUDA caching allocator's 512-byte
 import io
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,7 +329,7 @@ def test_resnet50_plan_time_and_sanity_anchor():
     224 px image (every conv output for its BatchNorm, every ReLU'd BatchNorm output that a conv or
     ReLU reads, the block outputs, max-pool output + int64 indices, the input): 85.9 MB/image, so
     2.56 GiB at batch 32, + 0.29 GiB of weights and AdamW state. The trace says the same (2.56 GiB
-    activations, 2.9 GiB allocated, 3.5 GiB on nvidia-smi with the constants); ~10-11 GB is
+    activations, 2.9 GiB allocated, 4.25 GiB on nvidia-smi with the constants); ~10-11 GB is
     what batch ~120 would need.
     """
     P.clear_profiles()
@@ -369,3 +370,18 @@ def test_every_gpu_recipe_is_predicted_to_fit_its_card(recipe, monkeypatch):
     assert res["fits"] is True, f"{recipe.stem}: {res['predicted_peak_bytes'] / 2**30:.2f} GiB"
     assert res["predicted_peak_bytes"] <= res["budget_bytes"]
     assert res["micro_batch"] == min(cfg.train.micro_batch, res["per_process_batch"])
+
+
+@pytest.mark.slow
+def test_default_picks_are_at_or_below_published_batch_sizes():
+    """ResNet50 at 224 px (bench/memory_check.py --published; two ResNet50 traces, ~15 s): with the
+    default safety margin the planner never picks more than published known-to-fit batches."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_check", Path(__file__).parents[1] / "bench" / "memory_check.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    margin = Config().hardware.safety_margin
+    for gib, prec, batch in bench.PUBLISHED:
+        total = P.reported_total_bytes(gib)
+        assert bench.planner_max("resnet50", prec, int(total * (1 - margin)), hi=1024, optim="sgd") <= batch

@@ -152,12 +152,13 @@ def usable_bytes(device) -> int:
 
 def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, device=None) -> dict:
     """Plan (and on a GPU with `model` given, probe) the micro-batch for `micro_batch: auto`."""
-    from .planner import pick_micro_batch
+    from .planner import pick_micro_batch, reported_total_bytes
 
     device = device or torch.device("cuda")
     total = torch.cuda.get_device_properties(device).total_memory
     gib = cfg.hardware.memory_gib
-    budget = int(min(total, gib * 2**30 if gib else total, usable_bytes(device)) * (1 - cfg.hardware.safety_margin))
+    card = reported_total_bytes(gib) if gib else total
+    budget = int(min(total, card, usable_bytes(device)) * (1 - cfg.hardware.safety_margin))
     name = torch.cuda.get_device_name(device)
     key = cache_key(cfg, name, per_proc, num_classes)
     hit = cached(key)

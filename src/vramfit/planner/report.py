@@ -12,7 +12,8 @@ from ..config import Config
 from .advice import advise, config_with
 from ..collectives import BLOCK_BYTES
 from .estimate import (ALLOCATOR_OVERHEAD_FRACTION, CUDA_CONTEXT_BYTES, CUDA_WORKSPACE_BYTES, GiB,
-                       budget_bytes_for, estimate_table, get_profile, pick_micro_batch)
+                       budget_bytes_for, estimate_table, get_profile, pick_micro_batch,
+                       reported_total_bytes)
 from .tracing import resolve_precision
 
 
@@ -126,7 +127,8 @@ def format_plan(r: dict) -> str:
         f"per-process batch {r['per_process_batch']} = global {r['global_batch']} / {r['num_processes']} process(es)",
     ]
     if r["budget_bytes"] is not None:
-        lines.append(f"  budget {_gib(r['budget_bytes'])} GiB = {r['memory_gib']:g} GiB x (1 - "
+        lines.append(f"  budget {_gib(r['budget_bytes'])} GiB = {r['memory_gib']:g} GB card ("
+                     f"{_gib(reported_total_bytes(r['memory_gib']))} GiB as reported) x (1 - "
                      f"{r['safety_margin']:g} safety margin)")
     else:
         lines.append("  no memory budget (set hardware.memory_gib or --memory-gib to pick a micro-batch)")
