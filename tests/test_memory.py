@@ -84,6 +84,7 @@ def test_auto_plans_for_the_memory_other_processes_leave(tmp_path, monkeypatch, 
     """A 12 GiB card where another process holds 10 GiB: `auto` plans for what is left and says why."""
     from vramfit.config import Config
     from vramfit.memory import auto_micro_batch
+    from vramfit.planner import CUDA_CONTEXT_BYTES
 
     monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path))
     total = 12 * 2**30
@@ -92,7 +93,7 @@ def test_auto_plans_for_the_memory_other_processes_leave(tmp_path, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"Fake 12GB ({held_by_others[0]})")
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info",
-                        lambda d: (total - 400 * 2**20 - held_by_others[0], total))  # our context + others
+                        lambda d: (total - CUDA_CONTEXT_BYTES - held_by_others[0], total))  # our context + others
     cfg = Config.model_validate({"model": {"name": "resnet18"}, "train": {"precision": "bf16"},
                                  "data": {"image_size": 224}, "hardware": {"memory_gib": 12}})
     alone = auto_micro_batch(cfg, 10, 128, device=torch.device("cuda", 0))
