@@ -398,6 +398,14 @@ def test_every_process_runs_every_step_even_with_an_empty_share(small_folder, tr
     assert empty.images.shape == (0, 3, 32, 32) and empty.images.dtype == torch.uint8
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_batches_arrive_in_pinned_memory(small_folder, transforms):
+    s = D.load_splits(cfg(small_folder, val_fraction=0.25))
+    ds = D.ImageDataset(s.train, s.image_column, s.label_column, transforms[0], 32, 0, train=True)
+    batch = next(iter(D.make_loader(ds, batch_sampler=D.StepBatchSampler(len(ds), 8, 0, 1, 0), pin=True)))
+    assert batch.images.is_pinned() and batch.labels.is_pinned()
+
+
 def test_build_loaders_gives_the_run_its_loaders(small_folder):
     from accelerate import Accelerator
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD

@@ -173,6 +173,13 @@ class Batch:
     stop: str = ""  # set: the run must stop (see the module docstring)
     notes: list[Note] = field(default_factory=list)
 
+    def pin_memory(self) -> "Batch":
+        # Called by the loader's pin-memory thread (CUDA runs): torch pins tensors, mappings and
+        # sequences but returns any other type as is, and a copy from pageable memory is not
+        # asynchronous whatever `non_blocking` says.
+        self.images, self.labels = self.images.pin_memory(), self.labels.pin_memory()
+        return self
+
 
 def collate(items: list, image_size: int | None = None) -> Batch:
     """One batch of samples; the NO_SAMPLE placeholder of an empty share is left out, so the batch
