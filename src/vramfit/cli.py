@@ -1,4 +1,4 @@
-"""Command line: `vramfit train | plan | compare | scan-data | prepare`."""
+"""Command line: `vramfit train | plan | eval | predict | export | compare | scan-data | prepare`."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--epochs", dest="train.epochs", type=int)
     t.add_argument("--lr", dest="optim.lr", type=float)
     t.add_argument("--seed", dest="train.seed", type=int)
-    t.add_argument("--tracker", dest="tracking.tracker", choices=["none", "wandb"])
+    t.add_argument("--tracker", dest="tracking.tracker",
+                   choices=["none", "wandb", "tensorboard", "wandb,tensorboard", "tensorboard,wandb"])
     t.add_argument("--resume", help="`auto` (default: continue this run if it has a checkpoint), "
                                     "`never`, or a checkpoint folder")
 
@@ -69,6 +70,31 @@ def parser() -> argparse.ArgumentParser:
     cm.add_argument("runs", nargs="+", help="run folders, or an output folder such as runs/")
     cm.add_argument("--sort", default="best_accuracy", help="summary.json key to sort by (descending)")
     cm.add_argument("--json", action="store_true")
+    cm.add_argument("--plot", metavar="PNG", help="write accuracy vs wall time, peak memory and throughput")
+    cm.add_argument("--csv", metavar="FILE", help="write the table as CSV (raw numbers)")
+
+    ev = sub.add_parser("eval", help="evaluate a run's model: top-1/top-5, per class, confusion matrix")
+    ev.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
+    ev.add_argument("--data", help="another labelled source with the same classes (default: the run's)")
+    ev.add_argument("--split", help="a named split of the source, e.g. test (default: the run's validation split)")
+    ev.add_argument("--batch-size", type=int, default=64)
+
+    pd = sub.add_parser("predict", help="top-k labels of images with a run's model")
+    pd.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
+    pd.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER")
+    pd.add_argument("--top-k", type=int, default=5)
+    pd.add_argument("--batch-size", type=int, default=64)
+    fmt = pd.add_mutually_exclusive_group()
+    fmt.add_argument("--json", dest="fmt", action="store_const", const="json")
+    fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv")
+
+    ex = sub.add_parser("export", help="a run's model as ONNX / TorchScript / safetensors with a model card")
+    ex.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
+    ex.add_argument("--format", action="append", default=[], choices=["onnx", "torchscript", "safetensors"],
+                    help="repeatable")
+    ex.add_argument("--output", help="folder for the files (default: RUN/export)")
+    ex.add_argument("--push-to-hub", metavar="REPO", help="push to the Hugging Face Hub in timm's format (user/name)")
+    ex.add_argument("--private", action="store_true", help="with --push-to-hub: a private repository")
 
     pr = sub.add_parser("prepare", help="pre-resize a dataset once into a compact Arrow dataset")
     pr.add_argument("--data", required=True)
@@ -117,7 +143,22 @@ def run(argv: list[str]) -> int:
     if ns.command == "compare":
         from .compare import compare
 
-        compare(ns.runs, ns.sort, ns.json)
+        compare(ns.runs, ns.sort, ns.json, plot_path=ns.plot, csv_path=ns.csv)
+        return 0
+    if ns.command == "eval":
+        from .evaluation import evaluate_run
+
+        evaluate_run(ns.run, ns.data, ns.split, batch_size=ns.batch_size)
+        return 0
+    if ns.command == "predict":
+        from .predict import predict
+
+        predict(ns.run, ns.images, k=ns.top_k, fmt=ns.fmt or "table", batch_size=ns.batch_size)
+        return 0
+    if ns.command == "export":
+        from .export import export_run
+
+        export_run(ns.run, ns.format, ns.output, push_to_hub=ns.push_to_hub, private=ns.private)
         return 0
     if ns.command == "prepare":
         from .prepare import prepare

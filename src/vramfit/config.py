@@ -142,7 +142,8 @@ class CheckpointConfig(Section):
 
 
 class TrackingConfig(Section):
-    tracker: Literal["none", "wandb"] = "none"
+    # Accelerate trackers: W&B, TensorBoard (written to <run>/tensorboard/), or both.
+    tracker: Literal["none", "wandb", "tensorboard", "wandb,tensorboard", "tensorboard,wandb"] = "none"
     project: str = "vramfit"
     entity: str | None = None
 

@@ -1,0 +1,137 @@
+"""A finished run's model, ready to use: loaded from `run/model/` with timm, with the run's own eval
+transform and class names, and batched inference over any images `decode_image` reads."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from .decode import BadImage, decode_image, describe
+from .errors import VramfitError
+
+
+@dataclass
+class Scores:
+    """Logits of the readable images, in input order, and the unreadable ones with the reason."""
+
+    logits: torch.Tensor  # [n_readable, C] float32 on CPU
+    positions: list[int]  # input position of each row of `logits`
+    unreadable: list[tuple[int, str]] = field(default_factory=list)  # (input position, "name: reason")
+
+
+class TrainedModel:
+    """`run/model/` loaded through timm's `local-dir:` source, exactly as a user of the folder would."""
+
+    def __init__(self, run_dir: str | os.PathLike, device: str | torch.device | None = None):
+        import timm
+        import timm.data
+
+        self.run_dir = Path(run_dir)
+        self.model_dir = model_dir(self.run_dir)
+        self.model = timm.create_model(f"local-dir:{self.model_dir.resolve()}", pretrained=True)
+        self.model.eval()
+        self.class_names = _class_names(self.model_dir, self.model)
+        # The eval preprocessing saved next to the weights (size, crop, interpolation, mean/std):
+        # the same one timm users get from the folder.
+        self.data_config = timm.data.resolve_model_data_config(self.model)
+        self.transform = timm.data.create_transform(**self.data_config, is_training=False)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.model.to(self.device)
+
+    @property
+    def architecture(self) -> str:
+        return self.model.pretrained_cfg.get("architecture") or type(self.model).__name__
+
+    def run_file(self, name: str):
+        """config.yaml / summary.json / plan.json / env.json of the run, or None if absent."""
+        path = self.run_dir / name
+        if not path.is_file():
+            return None
+        text = path.read_text()
+        return yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+
+    @torch.inference_mode()
+    def scores(self, count: int, item: Callable[[int], object], batch_size: int = 64,
+               workers: int | None = None) -> Scores:
+        """Logits for `count` images; `item(i)` gives the i-th as anything `decode_image` reads (a
+        path, bytes, a datasets image dict). Unreadable images are left out and listed."""
+        from .data import draft_size
+
+        ds = _Images(count, item, self.transform, draft_size(self.transform, self.data_config["input_size"][-1]))
+        workers = default_workers(self.device) if workers is None else workers
+        loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
+                                             collate_fn=_collate, pin_memory=self.device.type == "cuda")
+        logits, positions, bad = [], [], []
+        for images, pos, failed in loader:
+            bad.extend(failed)
+            if len(pos):
+                logits.append(self.model(images.to(self.device, non_blocking=True)).float().cpu())
+                positions.extend(pos)
+        num_classes = len(self.class_names)
+        return Scores(torch.cat(logits) if logits else torch.empty(0, num_classes), positions, bad)
+
+
+def model_dir(run_dir: Path) -> Path:
+    """`run/model/`, checked: a clear error for a folder that holds no trained model."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise VramfitError(f"{run_dir} is not a folder.", hint="pass a run folder such as runs/<run_name>")
+    folder = run_dir / "model"
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise VramfitError(
+            f"{run_dir} has no trained model ({folder} lacks {', '.join(missing)}).",
+            hint="pass a run folder whose training finished at least one evaluation (it writes the best "
+                 "weights to model/), e.g. runs/<run_name>")
+    return folder
+
+
+def _class_names(folder: Path, model) -> list[str]:
+    names_file = folder / "class_names.json"
+    if names_file.is_file():
+        return list(json.loads(names_file.read_text()))
+    names = json.loads((folder / "config.json").read_text()).get("label_names")
+    return list(names) if names else [str(i) for i in range(model.num_classes)]
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def default_workers(device: torch.device) -> int:
+    # On CPU the model's own threads use every core; decoding workers would only contend with them.
+    if device.type == "cpu":
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(8, cpus - 1))
+
+
+class _Images(torch.utils.data.Dataset):
+    def __init__(self, count: int, item: Callable[[int], object], transform, draft: int):
+        self.count, self.item, self.transform, self.draft = count, item, transform, draft
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, i):
+        raw = self.item(i)
+        try:
+            return self.transform(decode_image(raw, self.draft)), i, None
+        except BadImage as e:
+            return None, i, f"{describe(raw)}: {e.reason}"
+
+
+def _collate(items):
+    ok = [(x, i) for x, i, why in items if why is None]
+    images = torch.stack([x for x, _ in ok]) if ok else None
+    return images, [i for _, i in ok], [(i, why) for _, i, why in items if why is not None]

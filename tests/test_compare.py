@@ -1,0 +1,59 @@
+"""`vramfit compare --plot --csv` on two real short runs, and the history it plots."""
+import csv
+import json
+
+import pytest
+from PIL import Image
+
+from _trained_runs import trained_run
+
+
+def test_compare_plot_and_csv_of_two_real_runs(tmp_path, capsys):
+    from vramfit.cli import run as cli
+
+    a, b = trained_run("a"), trained_run("b")
+    png, table = tmp_path / "compare.png", tmp_path / "out.csv"
+    assert cli(["compare", str(a.path), str(b.path), "--plot", str(png), "--csv", str(table),
+                "--sort", "best_accuracy"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert {"accum", "ckpt", "to", "best"} <= set(header)
+    rows = {line.split()[0]: line for line in out.splitlines()[2:4]}
+    assert set(rows) == {"a", "b"}
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size[0] > 1200 and im.size[1] > 400
+    with open(table, newline="") as f:
+        got = {r["run"]: r for r in csv.DictReader(f)}
+    assert set(got) == {"a", "b"}
+    assert got["b"]["grad_checkpointing"] == "True" and got["a"]["grad_checkpointing"] == "False"
+    if b.real:
+        assert got["b"]["grad_accum_steps"] == "2" and got["a"]["grad_accum_steps"] == "1"
+    for r in got.values():
+        assert 0 < float(r["seconds_to_best"]) <= float(r["wall_seconds"])
+    accs = [float(got[n]["best_accuracy"]) for n in (out.splitlines()[2].split()[0], out.splitlines()[3].split()[0])]
+    assert accs == sorted(accs, reverse=True)
+
+
+def test_history_time_continues_across_resumed_segments(tmp_path):
+    from vramfit.compare import eval_history
+
+    records = [{"step": 10, "time": 5.0, "kind": "train"}, {"step": 20, "time": 9.0, "kind": "eval", "val_accuracy": 0.5},
+               # resumed from step 10: the clock restarted, step 20 is evaluated again
+               {"step": 20, "time": 3.0, "kind": "eval", "val_accuracy": 0.6},
+               {"step": 40, "time": 8.0, "kind": "eval", "val_accuracy": 0.7}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4')  # last line cut short
+    assert [(e["time"], e["val_accuracy"]) for e in eval_history(path)] == [(9.0, 0.5), (12.0, 0.6), (17.0, 0.7)]
+
+
+def test_short_labels_and_a_bad_sort_key(tmp_path):
+    from vramfit.compare import compare, short_labels
+    from vramfit.errors import VramfitError
+
+    assert short_labels(["qs-resnet18-32px-s0", "qs-efficientnet_b0-32px-s0"]) == ["resnet18", "efficientnet_b0"]
+    assert short_labels(["x-a", "x-a"]) == ["x-a", "x-a"]
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"best_accuracy": 0.5}))
+    with pytest.raises(VramfitError, match="--sort best_acc"):
+        compare([str(run)], sort="best_acc")
