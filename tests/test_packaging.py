@@ -32,7 +32,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_holds_every_recipe(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = sorted(p.name for p in PACKAGE_RECIPES.glob("*.yaml"))
-    assert "quickstart.yaml" in shipped
+    assert "quickstart.yaml" in shipped and "rtx3090.yaml" in shipped
     assert all(f"vramfit/recipes/{n}" in names for n in shipped)
 
 

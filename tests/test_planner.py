@@ -358,7 +358,8 @@ GPU_RECIPES = sorted(p for p in PACKAGE_RECIPES.glob("*.yaml")
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.stem)
 def test_every_gpu_recipe_is_predicted_to_fit_its_card(recipe, monkeypatch):
-    """Each recipe that names a card fits it at its configured micro-batch, with the safety margin."""
+    """Each recipe that names a card fits it at its micro-batch (configured or picked), with the
+    safety margin."""
     import io
 
     from vramfit.config import build_config
@@ -369,7 +370,10 @@ def test_every_gpu_recipe_is_predicted_to_fit_its_card(recipe, monkeypatch):
     res = run_plan(cfg, 1000, num_processes=cfg.hardware.gpus, out=io.StringIO())
     assert res["fits"] is True, f"{recipe.stem}: {res['predicted_peak_bytes'] / 2**30:.2f} GiB"
     assert res["predicted_peak_bytes"] <= res["budget_bytes"]
-    assert res["micro_batch"] == min(cfg.train.micro_batch, res["per_process_batch"])
+    if cfg.train.micro_batch == "auto":  # the planner's pick for the card
+        assert res["micro_batch"] == res["pick"] and res["micro_batch_source"] == "auto"
+    else:
+        assert res["micro_batch"] == min(cfg.train.micro_batch, res["per_process_batch"])
 
 
 @pytest.mark.slow

@@ -128,6 +128,9 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0.0)
+    # The global batch `lr` is stated at: the run's LR follows its global batch (optim.scaled_lr:
+    # sqrt for AdamW, linear for SGD); None: `lr` as given at any batch.
+    lr_base_batch: int | None = Field(None, ge=1)
     weight_decay: float = Field(0.05, ge=0.0)
     momentum: float = 0.9
     betas: tuple[float, float] = (0.9, 0.999)
@@ -319,6 +322,9 @@ def build_config(recipe: str | None = None, sets: list[str] | None = None,
     for dotted, value in (flags or {}).items():
         if value is not None:
             _set_path(tree, dotted, value)
+    from .backbones import fill_backbone_defaults
+
+    tree = fill_backbone_defaults(tree)  # what neither the recipe nor the command line says
     if recipe:
         tree["recipe"] = recipe
     try:
