@@ -103,6 +103,13 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--quality", type=int, default=90)
     pr.add_argument("--workers", type=int, default=None)
     pr.add_argument("--set", dest="sets", action="append", default=[])
+
+    dr = sub.add_parser("doctor", help="this machine: versions, GPUs, the recipe that fits; checks a recipe and data")
+    dr.add_argument("--recipe", help="plan this recipe for this card (`auto`: the one that fits)")
+    dr.add_argument("--data", dest="data.source", help="check that these images come out at the recipe's size")
+    dr.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    dr.add_argument("--json", action="store_true", help="print the report as JSON")
+    dr.add_argument("--diff", metavar="RUN_DIR", help="what differs from the machine a run came from")
     return ap
 
 
@@ -165,6 +172,13 @@ def run(argv: list[str]) -> int:
 
         prepare(_data_config(ns), ns.output, ns.max_side, ns.quality, ns.workers)
         return 0
+    if ns.command == "doctor":
+        from .doctor import doctor
+
+        data = getattr(ns, "data.source")
+        rep = doctor(_config(ns) if ns.recipe or data else None, with_data=bool(data), run_dir=ns.diff,
+                     as_json=ns.json)
+        return 0 if rep.get("data", {}).get("ok", True) else 1
     return 2
 
 

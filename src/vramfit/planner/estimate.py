@@ -355,10 +355,11 @@ def reported_total_bytes(memory_gib: float) -> int:
     return int(REPORTED_GIB.get(memory_gib, memory_gib * REPORTED_FRACTION) * GiB)
 
 
-def budget_bytes_for(cfg: Config, memory_gib: float | None = None) -> int | None:
-    """What a step may use on a card sold as `memory_gib` GB (default: the recipe's card): its
-    reported total less the safety margin."""
+def budget_bytes_for(cfg: Config, memory_gib: float | None = None, total_bytes: int | None = None) -> int | None:
+    """What a step may use on a card sold as `memory_gib` GB (default: the recipe's card), or on
+    one whose reported total is `total_bytes` (a detected card): that total less the safety margin."""
     gib = memory_gib if memory_gib is not None else cfg.hardware.memory_gib
-    if gib is None:
+    if total_bytes is None and gib is None:
         return None
-    return int(reported_total_bytes(gib) * (1 - cfg.hardware.safety_margin))
+    total = total_bytes if total_bytes is not None else reported_total_bytes(gib)
+    return int(total * (1 - cfg.hardware.safety_margin))

@@ -42,13 +42,15 @@ def _micro_batch(cfg: Config, num_classes: int, per_proc: int, num_processes: in
 
 
 def run_plan(cfg: Config, num_classes: int, num_processes: int = 1, memory_gib: float | None = None,
-             micro_batch: int | None = None, as_json: bool = False, out=None) -> dict:
+             micro_batch: int | None = None, as_json: bool = False, out=None,
+             total_bytes: int | None = None) -> dict:
     """What `vramfit plan` prints (to `out`, default sys.stdout); returns the same content as a
-    dict (--json and plan.json; its `text` key holds the printed text)."""
+    dict (--json and plan.json; its `text` key holds the printed text). `total_bytes`: plan for a
+    detected card's reported total instead of a card size (`vramfit doctor`)."""
     t0 = time.perf_counter()
     per_proc = per_process_batch(cfg.train.global_batch, num_processes)
     prec = resolve_precision(None, cfg)
-    budget = budget_bytes_for(cfg, memory_gib)
+    budget = budget_bytes_for(cfg, memory_gib, total_bytes)
     requested = micro_batch if micro_batch is not None else cfg.train.micro_batch
     mb, pick = _micro_batch(cfg, num_classes, per_proc, num_processes, budget, requested)
     table = estimate_table(cfg, num_classes, _table_sizes(per_proc, pick, mb.size),
@@ -67,7 +69,9 @@ def run_plan(cfg: Config, num_classes: int, num_processes: int = 1, memory_gib: 
         "freeze": list(cfg.model.freeze), "num_params": prof.num_params, "num_trainable": prof.num_trainable,
         "all_grads_bytes": prof.trainable_bytes,
         "global_batch": cfg.train.global_batch, "num_processes": num_processes,
-        "memory_gib": memory_gib if memory_gib is not None else cfg.hardware.memory_gib,
+        "memory_gib": None if total_bytes is not None else (memory_gib or cfg.hardware.memory_gib),
+        "card_total_bytes": total_bytes if total_bytes is not None else (
+            None if budget is None else reported_total_bytes(memory_gib or cfg.hardware.memory_gib)),
         "safety_margin": cfg.hardware.safety_margin, "budget_bytes": budget,
         **mb.as_dict(),
         "fits": fits_chosen, "pick": pick, "predicted_peak_bytes": est.peak_bytes,
@@ -127,9 +131,9 @@ def format_plan(r: dict) -> str:
         f"per-process batch {r['per_process_batch']} = global {r['global_batch']} / {r['num_processes']} process(es)",
     ]
     if r["budget_bytes"] is not None:
-        lines.append(f"  budget {_gib(r['budget_bytes'])} GiB = {r['memory_gib']:g} GB card ("
-                     f"{_gib(reported_total_bytes(r['memory_gib']))} GiB as reported) x (1 - "
-                     f"{r['safety_margin']:g} safety margin)")
+        card = (f"{r['memory_gib']:g} GB card ({_gib(r['card_total_bytes'])} GiB as reported)"
+                if r["memory_gib"] is not None else f"this card's {_gib(r['card_total_bytes'])} GiB")
+        lines.append(f"  budget {_gib(r['budget_bytes'])} GiB = {card} x (1 - {r['safety_margin']:g} safety margin)")
     else:
         lines.append("  no memory budget (set hardware.memory_gib or --memory-gib to pick a micro-batch)")
     verdict = "" if r["fits"] is None else ("  fits" if r["fits"] else "  DOES NOT FIT")
