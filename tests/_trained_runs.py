@@ -28,7 +28,7 @@ class Run:
 VARIANTS = {
     # name: extra train flags. `b` differs in what compare shows: accumulation, checkpointing, epochs.
     "a": [],
-    "b": ["--micro-batch", "8", "--grad-checkpointing", "--set", "data.limit_train_samples=64"],
+    "b": ["--micro-batch", "8", "--grad-checkpointing", "--set", "data.limit_train_samples=32"],
 }
 
 

@@ -28,10 +28,11 @@ def real_images(model):
     from vramfit.data import load_splits
     from vramfit.decode import decode_image
     from vramfit.evaluation import run_data_config
+    from vramfit.trained import ColumnItems
 
     splits = load_splits(run_data_config(model))
-    rows = splits.val.select_columns([splits.image_column])
-    return torch.stack([model.transform(decode_image(rows[i][splits.image_column])) for i in range(32)])
+    items = ColumnItems(splits.val.select(range(32)), splits.image_column)
+    return torch.stack([model.transform(decode_image(item)) for item in items])
 
 
 def test_onnx_matches_torch_on_real_images(run, model, real_images, tmp_path):

@@ -58,9 +58,10 @@ def test_eval_writes_report_and_confusion_png(run, evaluated):
 def test_predict_on_validation_images_agrees_with_eval(run, evaluated, capsys):
     from vramfit.cli import run as cli
 
+    from vramfit.trained import ColumnItems
+
     splits = _val_split(run.path)
-    rows = splits.val.select_columns([splits.image_column])
-    files = [rows[i][splits.image_column]["path"] for i in range(len(rows))]
+    files = [item["path"] for item in ColumnItems(splits.val, splits.image_column)]
     labels = splits.val[splits.label_column]
     assert cli(["predict", "--run", str(run.path), "--json", "--top-k", "3", *files]) == 0
     preds = json.loads(capsys.readouterr().out)
@@ -118,3 +119,18 @@ def test_run_folder_without_a_model(run, tmp_path, capsys):
                  ["export", "--run", str(half), "--format", "onnx"]):
         code, _, err = _main(argv, capsys)
         assert code == 2 and "has no trained model" in err and "HINT:" in err
+
+
+def test_loader_workers_give_the_same_scores(run):
+    """Workers decode on a GPU machine: the same logits, in input order, unreadable ones listed."""
+    import torch
+
+    from vramfit.trained import ColumnItems, TrainedModel
+
+    tm = TrainedModel(run.path, device="cpu")
+    splits = _val_split(run.path)
+    items = [*ColumnItems(splits.val.select(range(12)), splits.image_column), {"bytes": b"junk", "path": "x.png"}]
+    alone, shared = tm.scores(items, batch_size=5, workers=0), tm.scores(items, batch_size=5, workers=2)
+    assert alone.positions == shared.positions == list(range(12))
+    assert torch.equal(alone.logits, shared.logits)
+    assert shared.unreadable == [(12, "x.png: not an image")]

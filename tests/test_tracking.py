@@ -80,6 +80,11 @@ def _segment(cfg, run_dir, run_id, steps, evaluate_at=None):
                                          load_image=lambda i: Image.new("L", (8, 8), int(i)))
         log.summary({"best_accuracy": report["top1"], "global_step": evaluate_at, "precision": "no"})
     acc.end_training()
+    # wandb's service process writes the run file after `finish` returns; a process exit waits for
+    # it, and so does teardown (the test reads the file next).
+    import wandb
+
+    wandb.teardown()
     return acc
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import VramfitError
-from .trained import TrainedModel
+from .trained import ColumnItems, TrainedModel
 
 DEFAULT_SPLIT = "val"  # the validation split the run itself was evaluated on
 WORST_CLASSES_SHOWN = 5
@@ -27,8 +27,7 @@ def evaluate_run(run_dir: str | Path, data: str | None = None, split: str | None
     out = out or sys.stdout
     tm = TrainedModel(run_dir)
     ev = eval_split(tm, data, split)
-    rows = ev.ds.select_columns([ev.image_column])
-    scores = tm.scores(len(ev.ds), lambda i: rows[int(i)][ev.image_column], batch_size=batch_size)
+    scores = tm.scores(ColumnItems(ev.ds, ev.image_column), batch_size=batch_size)
     labels = torch.as_tensor(_labels(ev.ds, ev.label_column), dtype=torch.long)[scores.positions]
     if not len(labels):
         raise VramfitError(f"None of the {len(ev.ds)} images of {ev.description} could be read.",

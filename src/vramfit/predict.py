@@ -52,7 +52,7 @@ def predict(run_dir: str | Path, inputs: list[str], k: int = 5, fmt: str = "tabl
     out, err = out or sys.stdout, err or sys.stderr
     files = collect_images(inputs)
     tm = TrainedModel(run_dir)
-    scores = tm.scores(len(files), lambda i: files[i], batch_size=batch_size)
+    scores = tm.scores(files, batch_size=batch_size)
     rows = [{"file": files[pos], "predictions": preds}
             for pos, preds in zip(scores.positions, top_k(scores.logits, tm.class_names, k))]
     write(rows, fmt, out)

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Sequence
 
 import torch
 import yaml
@@ -57,13 +57,13 @@ class TrainedModel:
         return yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
 
     @torch.inference_mode()
-    def scores(self, count: int, item: Callable[[int], object], batch_size: int = 64,
-               workers: int | None = None) -> Scores:
-        """Logits for `count` images; `item(i)` gives the i-th as anything `decode_image` reads (a
-        path, bytes, a datasets image dict). Unreadable images are left out and listed."""
+    def scores(self, items: Sequence, batch_size: int = 64, workers: int | None = None) -> Scores:
+        """Logits for a sequence of images, each anything `decode_image` reads (a path, bytes, a
+        datasets image dict): a list of paths, or `ColumnItems` of a dataset. Unreadable images are
+        left out and listed."""
         from .data import draft_size
 
-        ds = _Images(count, item, self.transform, draft_size(self.transform, self.data_config["input_size"][-1]))
+        ds = _Images(items, self.transform, draft_size(self.transform, self.data_config["input_size"][-1]))
         workers = default_workers(self.device) if workers is None else workers
         loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
                                              collate_fn=_collate, pin_memory=self.device.type == "cuda")
@@ -116,15 +116,30 @@ def default_workers(device: torch.device) -> int:
     return max(0, min(8, cpus - 1))
 
 
-class _Images(torch.utils.data.Dataset):
-    def __init__(self, count: int, item: Callable[[int], object], transform, draft: int):
-        self.count, self.item, self.transform, self.draft = count, item, transform, draft
+class ColumnItems:
+    """The image column of a `datasets.Dataset` as a sequence, read row by row (a whole column of
+    encoded images would be loaded into memory at once); picklable for loader workers."""
+
+    def __init__(self, ds, column: str):
+        self.ds = ds.select_columns([column])
+        self.column = column
 
     def __len__(self):
-        return self.count
+        return len(self.ds)
 
     def __getitem__(self, i):
-        raw = self.item(i)
+        return self.ds[int(i)][self.column]
+
+
+class _Images(torch.utils.data.Dataset):
+    def __init__(self, items: Sequence, transform, draft: int):
+        self.items, self.transform, self.draft = items, transform, draft
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        raw = self.items[i]
         try:
             return self.transform(decode_image(raw, self.draft)), i, None
         except BadImage as e:
