@@ -6,7 +6,7 @@ import torch
 from accelerate import Accelerator
 
 from vramfit.config import ModelConfig, OptimConfig
-from vramfit.engine import MicroBatchExhausted, StepState, train_step
+from vramfit.engine import MicroBatchExhausted, TrainStep
 from vramfit.models import create_model
 from vramfit.optim import create_optimizer
 
@@ -33,12 +33,9 @@ def _train(model, ocfg, batches, micro, oom_above=None):
         model.register_forward_pre_hook(hook)
     opt = create_optimizer(model, ocfg)
     model, opt = acc.prepare(model, opt)
-    state = StepState(micro_batch=micro, per_process_batch=batches[0][0].shape[0])
-    losses = []
-    for x, y in batches:
-        r = train_step(acc, model, opt, x, y, x.shape[0], state, label_smoothing=0.1, clip_grad_norm=1.0)
-        losses.append(r.loss)
-    return acc.unwrap_model(model), losses, state
+    step = TrainStep(acc, model, opt, micro, label_smoothing=0.1, clip_grad_norm=1.0)
+    losses = [step(x, y, x.shape[0]).loss for x, y in batches]
+    return acc.unwrap_model(model), losses, step.state
 
 
 def _max_diff(a, b):
@@ -50,7 +47,7 @@ def test_batch_splits_give_same_weights(opt):
     model, ocfg = _setup(opt)
     batches = _data(3, 16)
     ref, ref_losses, _ = _train(model, ocfg, batches, micro=16)
-    for micro in (4, 5, 1):  # 4 x 4; 5 + 5 + 5 + 1 (uneven); 16 x 1
+    for micro in (4, 7, 3, 1):  # 4 x 4; 6 + 5 + 5 and 3 x 4 + 2 x 2 (uneven, near-equal); 16 x 1
         got, losses, _ = _train(model, ocfg, batches, micro=micro)
         assert _max_diff(ref, got) <= 1e-6, f"micro {micro}"
         assert losses == pytest.approx(ref_losses, rel=1e-6)
@@ -58,7 +55,7 @@ def test_batch_splits_give_same_weights(opt):
 
 
 def test_short_last_batch_is_weighted_by_samples():
-    """A 10-sample batch in micro-batches of 4 (4+4+2) gives the mean over 10, not over 3 chunks."""
+    """A 10-sample batch in micro-batches of 4 (4+3+3) gives the mean over 10, not over 3 chunks."""
     model, ocfg = _setup("sgd")
     batches = _data(1, 10)
     ref, _, _ = _train(model, ocfg, batches, micro=10)
@@ -111,8 +108,9 @@ def test_oom_late_in_the_forward_leaves_no_trace():
 def test_grad_reducer_buckets_order_and_unused_parameters(monkeypatch):
     """GradReducer against a fake 2-process group that sums two identical processes: buckets are
     launched during backward, in order; every gradient is doubled; a parameter no process used
-    keeps grad None (so the optimizer skips it, as without the reducer)."""
-    from vramfit import engine
+    keeps grad None (so the optimizer skips it, as without the reducer); the flat buffers are
+    allocated once and reused by every step."""
+    from vramfit import collectives
 
     launched = []
 
@@ -121,29 +119,93 @@ def test_grad_reducer_buckets_order_and_unused_parameters(monkeypatch):
             pass
 
     def fake_all_reduce(flat, async_op=False):
-        launched.append(flat.numel())
+        launched.append((flat.numel(), flat.data_ptr()))
         flat.mul_(2)
         return Work()
 
-    monkeypatch.setattr(engine.dist, "is_available", lambda: True)
-    monkeypatch.setattr(engine.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(engine.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(engine.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(collectives, "world_size", lambda: 2)
+    monkeypatch.setattr(collectives.dist, "all_reduce", fake_all_reduce)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     unused = torch.nn.Parameter(torch.ones(3))
     params = [unused, *net.parameters()]  # reversed into the last bucket: it cannot hold up the others
-    reducer = engine.GradReducer(params, bucket_bytes=64 * 4)  # buckets of >= 64 floats
-    x = torch.randn(5, 8)
-    reducer.arm()
-    net(x).sum().backward()
-    during_backward = len(launched)
-    reducer.launch_rest()
-    expected = [p.grad.clone() * 2 for p in net.parameters()]
-    reducer.finish(apply=True)
-    assert during_backward >= 1 and len(launched) == len(reducer.buckets)
-    assert sum(launched) == sum(p.numel() for p in params)
-    for p, e in zip(net.parameters(), expected):
-        torch.testing.assert_close(p.grad, e)
-    assert unused.grad is None
-    assert not reducer.hooks  # nothing left attached for the next step
+    reducer = collectives.GradReducer(params, bucket_bytes=64 * 4)  # buckets of >= 64 floats
+    buffers = [f.data_ptr() for f in reducer.flats]
+    for _ in range(2):
+        launched.clear()
+        for p in params:
+            p.grad = None
+        reducer.arm()
+        net(torch.randn(5, 8)).sum().backward()
+        during_backward = len(launched)
+        reducer.launch_rest()
+        expected = [p.grad.clone() * 2 for p in net.parameters()]
+        reducer.finish(apply=True)
+        assert during_backward >= 1 and len(launched) == len(reducer.buckets)
+        assert sum(n for n, _ in launched) == sum(p.numel() for p in params)
+        assert sorted(ptr for _, ptr in launched) == sorted(buffers)  # the same buffers every step
+        for p, e in zip(net.parameters(), expected):
+            torch.testing.assert_close(p.grad, e)
+        assert unused.grad is None
+        assert not reducer.hooks  # nothing left attached for the next step
+    assert reducer.buffer_bytes == collectives.reducer_buffer_bytes(
+        [(p.numel() * p.element_size(), p.dtype) for p in params], 64 * 4)
+
+
+def test_no_micro_batch_holds_a_single_sample():
+    """Train-mode BatchNorm cannot normalise one sample (test_resnet's head BN sees a 1x1 map): a
+    short last batch of 29 at micro-batch 4 splits 4+4+4+4+4+3+3+3, an odd share at micro-batch 2
+    takes a chunk of 3, and the step trains instead of dying."""
+    from vramfit import batching
+
+    assert [e - s for s, e in batching.chunk_bounds(29, batching.num_chunks([29], 4))] == [4] * 5 + [3] * 3
+    assert [e - s for s, e in batching.chunk_bounds(7, batching.num_chunks([7], 2))] == [3, 2, 2]
+    for share in range(2, 70):
+        for micro in range(1, share + 1):
+            sizes = [e - s for s, e in batching.chunk_bounds(share, batching.num_chunks([share], micro))]
+            assert sum(sizes) == share and max(sizes) - min(sizes) <= 1
+            assert micro == 1 or min(sizes) >= 2, (share, micro)
+            assert micro < 2 or max(sizes) <= max(micro, 3), (share, micro)
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="test_resnet"), num_classes=5, load_weights=False)
+    _, losses, state = _train(model, OptimConfig(), _data(1, 29), micro=4)
+    assert state.oom_retries == 0 and losses[0] > 0
+
+
+def test_steps_per_epoch_and_shares_do_not_depend_on_the_process_count():
+    """66 images at global batch 16: 5 steps (the last of 2 images) on 1, 2 or 8 processes; every
+    share holds 0 or >= 2 samples and the shares add up to the batch."""
+    from vramfit import batching
+
+    assert batching.steps_per_epoch(66, 16) == 5 and batching.steps_per_epoch(65, 16) == 4
+    for world in (1, 2, 3, 8):
+        for n in range(2, 40):
+            shares = batching.rank_shares(n, world)
+            assert sum(shares) == n and all(s == 0 or s >= 2 for s in shares)
+    assert batching.rank_shares(2, 2) == [2, 0] and batching.rank_shares(16, 2) == [8, 8]
+
+
+def test_micro_batch_rule(caplog):
+    from vramfit.batching import resolve_micro_batch
+
+    assert resolve_micro_batch(None, 32).size == 32
+    assert resolve_micro_batch("auto", 32).size == 32  # nothing to size against
+    assert resolve_micro_batch("auto", 32, pick=lambda share: 12).grad_accum_steps == 3
+    big = resolve_micro_batch(64, 8)
+    assert big.size == 8 and "larger than this process's share" in big.note
+    assert resolve_micro_batch(10, 30).grad_accum_steps == 3  # no longer has to divide
+    back = resolve_micro_batch(16, 32, resumed=4)
+    assert (back.size, back.source) == (4, "resumed") and "came" in back.note or "come" in back.note
+
+
+def test_thrashing_shrinks_but_never_fails_a_finished_step(monkeypatch, caplog):
+    """The allocator had to free its cache to fit: the next step splits smaller; at micro-batch 1
+    there is nothing smaller, so a warning, and the finished step stands."""
+    from vramfit import engine
+
+    retries = iter(range(0, 1000, 1))
+    monkeypatch.setattr(engine, "_alloc_retries", lambda device: next(retries))
+    model, ocfg = _setup("sgd")
+    _, losses, state = _train(model, ocfg, _data(4, 4), micro=2)
+    assert [h["to"] for h in state.history] == [1] and state.micro_batch == 1
+    assert len(losses) == 4 and "allocator had to free its cache" in caplog.text

@@ -76,7 +76,7 @@ def test_auto_on_cpu_runs_the_whole_share(train_cli):
     run_dir, code = train_cli(*tiny_args("--micro-batch", "auto", "--set", "debug.signal_at_step=2"), run_name="auto")
     assert code == 143
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["micro_batch"] == 16 and "auto on CPU" in plan["reason"]
+    assert plan["micro_batch"] == 16 and "without a device" in plan["micro_batch_source"]
     assert plan["predicted_peak_bytes"] > 0 and plan["estimate"]["params_bytes"] > 0
 
 

@@ -36,15 +36,20 @@ def quickstart(tmp_path_factory):
     return run_dir, elapsed, proc
 
 
-def test_quickstart_reaches_97_percent_in_3_minutes(quickstart):
-    run_dir, elapsed, _ = quickstart
+def test_quickstart_reaches_97_percent(quickstart):
+    run_dir, _, _ = quickstart
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["best_accuracy"] >= 0.97
-    assert elapsed <= 180, f"quickstart took {elapsed:.0f} s"
     assert SUMMARY_KEYS <= set(summary)
-    assert summary["num_processes"] == 1 and summary["precision"] == "no"
+    assert summary["num_processes"] == 1 and summary["precision"] == "fp32"
     assert summary["peak_memory_bytes"] is None  # no device peak on CPU
     assert summary["global_batch"] == summary["micro_batch"] * summary["grad_accum_steps"]
+
+
+@pytest.mark.slow
+def test_quickstart_within_3_minutes(quickstart):
+    _, elapsed, _ = quickstart
+    assert elapsed <= 180, f"quickstart took {elapsed:.0f} s"
 
 
 def test_run_folder_contract(quickstart):
@@ -71,20 +76,44 @@ def test_run_folder_contract(quickstart):
 
 def test_rerunning_a_finished_run_exits_at_once(quickstart):
     run_dir, _, _ = quickstart
-    t0 = time.time()
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--recipe", "quickstart", "--output",
                            str(run_dir.parent)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "already finished" in proc.stderr
-    assert time.time() - t0 < 60
+    assert "load" not in proc.stderr.lower()  # nothing was loaded or trained
+
+
+def test_a_finished_run_with_other_settings_is_not_silently_skipped(quickstart):
+    """Same run folder, another --lr: the settings are checked before "already finished", and the
+    error says what changed and how to start fresh; nothing in the folder changes."""
+    run_dir, _, _ = quickstart
+    before = (run_dir / "summary.json").read_text()
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--recipe", "quickstart", "--output",
+                           str(run_dir.parent), "--lr", "0.5"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "lr:" in proc.stderr and "--run-name" in proc.stderr and "already finished" not in proc.stderr
+    assert (run_dir / "summary.json").read_text() == before
 
 
 # Pinned on torch 2.14.1 / timm 1.0.31, CPU, fp32. A change here means the maths of a step changed.
 GOLDEN = [2.406265, 2.484131, 2.463115, 2.256769, 2.409358]
+# The versions the golden losses were measured with: kernels and timm's model definitions move the
+# last digits between releases, so on others the comparison says nothing and is skipped.
+GOLDEN_VERSIONS = {"torch": "2.14.1", "timm": "1.0.31"}
 
 
+def _versions() -> dict:
+    import timm
+
+    return {"torch": torch.__version__.split("+")[0], "timm": timm.__version__}
+
+
+@pytest.mark.skipif(_versions() != GOLDEN_VERSIONS,
+                    reason=f"golden losses are pinned for {GOLDEN_VERSIONS}, this is {_versions()}")
 def test_golden_losses(train_cli):
     run_dir, code = train_cli(*tiny_args("--set", "train.log_every_steps=1", "--set", "debug.signal_at_step=5",
-                                         "--set", "train.label_smoothing=0.1", "--seed", "7"))
+                                         "--set", "train.label_smoothing=0.1", "--seed", "7",
+                                         "--set", "data.split_seed=7"))
     assert code == 143  # stopped after step 5, as a SIGTERM would
     losses = [m["loss"] for m in _metrics(run_dir) if m["kind"] == "train"][:5]
     assert losses == pytest.approx(GOLDEN, abs=1e-5), losses

@@ -7,6 +7,8 @@ every file's checksum, then rename, and only then delete older checkpoints.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -45,36 +47,70 @@ def _fsync_dir(path: Path) -> None:
 
 def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int,
          keep_steps: tuple[int, ...] = (), extra: dict | None = None) -> Path:
-    """Collective: every process calls it. Returns the final folder."""
-    root = Path(root)
+    """Collective: every process calls it. Returns the final folder. A failure on any process (a
+    full disk) stops every process with a clear error; the previous checkpoint stays as it was."""
+    from accelerate.utils import DistributedType
+
+    from .collectives import agreed
+
+    root, device, main = Path(root), accelerator.device, accelerator.is_main_process
     tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
-    if accelerator.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
-        for name, tensors in (extra or {}).items():  # e.g. EMA weights: safetensors, no pickle
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / f"{name}.safetensors")
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        sums = {str(p.relative_to(tmp)): _sha256(p) for p in files}
-        for p in files:  # data on disk before the marker that vouches for it
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
-        marker = tmp / MARKER
-        marker.write_text(json.dumps({"step": step, "files": sums}, indent=1))
-        with open(marker, "rb+") as f:
-            os.fsync(f.fileno())
-        if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        prune(root, keep_last, keep_steps)
-    accelerator.wait_for_everyone()
+    with agreed("preparing a checkpoint", device), _writing(root, tmp):
+        if main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+    # FSDP gathers inside save_state (collectives of its own): it cannot run inside `agreed`.
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    with (contextlib.nullcontext() if sharded else agreed("writing a checkpoint", device)), _writing(root, tmp):
+        accelerator.save_state(str(tmp), safe_serialization=True)
+    with agreed("finishing a checkpoint", device), _writing(root, tmp):
+        if main:
+            _complete(tmp, final, root, step, trainer_state, extra)
+            prune(root, keep_last, keep_steps)
     return final
+
+
+def _complete(tmp: Path, final: Path, root: Path, step: int, trainer_state: dict, extra: dict | None) -> None:
+    (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
+    for name, tensors in (extra or {}).items():  # e.g. EMA weights: safetensors, no pickle
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / f"{name}.safetensors")
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    sums = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+    for p in files:  # data on disk before the marker that vouches for it
+        with open(p, "rb+") as f:
+            os.fsync(f.fileno())
+    marker = tmp / MARKER
+    marker.write_text(json.dumps({"step": step, "files": sums}, indent=1))
+    with open(marker, "rb+") as f:
+        os.fsync(f.fileno())
+    if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+
+
+@contextlib.contextmanager
+def _writing(root: Path, tmp: Path):
+    """A checkpoint that cannot be written (full disk, lost permissions) is an error that says so
+    and keeps the last complete checkpoint; the half-written one is removed."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - filtered below; anything else re-raises unchanged
+        text = str(e)
+        disk = isinstance(e, OSError) or type(e).__name__ == "SafetensorError" or any(
+            w in text for w in ("No space left", "write failed", "Disk quota", "Read-only file system"))
+        if not disk:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest(root)
+        full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text
+        raise VramfitError(
+            f"Could not write a checkpoint into {root}: "
+            f"{'the disk is full' if full else f'{type(e).__name__}: {text.splitlines()[0][:200]}'}. "
+            f"Last complete checkpoint: {last or 'none'} (kept).",
+            hint="free space (or fix the folder's permissions) and re-run the same command: it resumes "
+                 "from the last complete checkpoint") from None
 
 
 def is_complete(path: Path, verify: bool = True) -> bool:

@@ -193,19 +193,43 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = run(argv)
     except VramfitError as e:
-        # Every process of a run reaches the same verdict (config, data and model checks are
-        # deterministic; OOM, NaN and bad-file stops are agreed), so one message per machine: from
-        # its first process. Other machines still print theirs (a path missing on one node only).
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            msg = textwrap.fill(e.message, width=100, replace_whitespace=False) if "\n" not in e.message else e.message
-            print(f"\nvramfit: error: {msg}", file=sys.stderr)
-            if e.hint:
-                print(f"HINT: {e.hint}", file=sys.stderr)
+        if _prints_here(e):
+            _print_error(e)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("\nvramfit: interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - only another process's failure is turned into a line here
+        from .collectives import ProcessFailed
+
+        if not isinstance(e, ProcessFailed):
+            raise
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"\nvramfit: error: {e}; its message is printed by that process.", file=sys.stderr)
+        sys.exit(2)
     sys.exit(code)
+
+
+def _prints_here(e: VramfitError) -> bool:
+    """One message per machine, not per process. An error every process reaches (config, data and
+    model checks are deterministic; OOM, NaN and bad-file stops are agreed) is printed by the
+    machine's first process; one that only some processes hit (`failed_ranks`, see
+    collectives.agreed) by the first of those on each machine, so it is never lost."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    failed = getattr(e, "failed_ranks", None)
+    if not failed:
+        return local == 0
+    rank = int(os.environ.get("RANK", "0"))
+    first_here = rank - local
+    size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return rank == min(r for r in failed if first_here <= r < first_here + size)
+
+
+def _print_error(e: VramfitError) -> None:
+    msg = textwrap.fill(e.message, width=100, replace_whitespace=False) if "\n" not in e.message else e.message
+    print(f"\nvramfit: error: {msg}", file=sys.stderr)
+    if e.hint:
+        print(f"HINT: {e.hint}", file=sys.stderr)
 
 
 if __name__ == "__main__":

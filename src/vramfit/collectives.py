@@ -27,6 +27,7 @@ class Status(enum.IntEnum):
     OOM = 2
     NONFINITE = 3
     STOP = 4  # a signal arrived: undo the step, save, exit
+    ERROR = 5  # an exception other than OOM on some process: every process stops
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
@@ -156,6 +157,7 @@ class GradReducer:
                 self.flats.append(flat)
                 self.views.append(views)
         self.hooks: list = []
+        self.fault = None  # debug: called where a real OOM could strike while a bucket is filled
         self._reset()
 
     @property
@@ -182,6 +184,8 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         views = self.views[b]
         try:
+            if self.fault is not None:
+                self.fault()
             with torch.no_grad():
                 for i, v in zip(self.buckets[b], views):
                     g = self.params[i].grad
@@ -284,3 +288,11 @@ def agreed(what: str, device):
 def node_rank_offset() -> int:
     """Global rank of this machine's first process (ranks are contiguous per machine)."""
     return int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The whole model's state dict on the main process (CPU tensors), from sharded (FSDP)
+    parameters too; a collective when the model is sharded. Other processes get an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -163,6 +163,9 @@ class HardwareConfig(Section):
 class DebugConfig(Section):
     # Any forward with more than N samples raises torch.OutOfMemoryError (tests the OOM path on CPU).
     simulate_oom_above: int | None = None
+    # With simulate_oom_above: the process that ran out of memory runs out once more inside the
+    # recovery, while the failed step's gradient sums go out (the other processes must not wait).
+    simulate_oom_in_recovery: bool = False
     # Make the loss NaN at this global step (tests that the update is refused before it happens).
     nan_at_step: int | None = None
     # Only this process rank injects the faults above (None: every rank): ranks must still agree.

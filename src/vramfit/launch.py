@@ -1,0 +1,98 @@
+"""The process a run lives in: Accelerate, precision, threads and logging, set up once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("vramfit")
+
+
+@dataclass
+class Launch:
+    acc: "accelerate.Accelerator"  # noqa: F821
+    device_type: str  # cuda | cpu
+    precision: str  # what Accelerate runs: no | fp16 | bf16
+    world: int
+    rank: int
+    main: bool
+    notes: list[str]  # said once at start
+
+
+def resolve_precision(requested: str, device_type: str) -> tuple[str, str | None]:
+    """The precision Accelerate runs (`no` is fp32), and a note when it differs from the request."""
+    from .config import accelerate_precision
+
+    requested = accelerate_precision(requested)
+    if device_type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported()
+        if requested == "auto":
+            return ("bf16" if bf16 else "fp16"), None
+        if requested == "bf16" and not bf16:
+            return "fp16", "this GPU has no bf16 support: using fp16 (with loss scaling) instead"
+        return requested, None
+    if requested == "auto":
+        return "no", None
+    if requested == "fp16":
+        return "no", f"fp16 needs a CUDA GPU; on {device_type} training runs in fp32"
+    return requested, None
+
+
+def _launcher_set_threads() -> bool:
+    """True when OMP_NUM_THREADS came from a launcher (`accelerate launch` and `torchrun` set it to
+    1 when the user did not), not from the user: the launcher's own starting environment, which is
+    the user's, does not hold it."""
+    if "OMP_NUM_THREADS" not in os.environ or "LOCAL_RANK" not in os.environ and \
+            not any(k.startswith("ACCELERATE_") for k in os.environ):
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            parent = f.read().split(b"\0")
+    except OSError:  # not Linux, or not allowed: leave the setting alone
+        return False
+    return not any(item.startswith(b"OMP_NUM_THREADS=") for item in parent)
+
+
+def set_threads(local_processes: int) -> str:
+    """Torch threads for this process: its share of the cores when a launcher chose 1 for it."""
+    if _launcher_set_threads():
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cpus // max(1, local_processes)))
+        return f"{torch.get_num_threads()} torch threads (this process's share of {cpus} cores)"
+    return f"{torch.get_num_threads()} torch threads"
+
+
+def start(cfg) -> Launch:
+    # Must be set before CUDA initialises; expandable segments cut fragmentation-driven OOMs.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from accelerate import Accelerator
+
+    from .tracking import log_with
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    precision, note = resolve_precision(cfg.train.precision, device_type)
+    acc = Accelerator(mixed_precision=precision,
+                      cpu=device_type == "cpu",  # without it Accelerate ignores a torchrun world on CPU
+                      log_with=log_with(cfg), step_scheduler_with_optimizer=False)
+    main = acc.is_main_process
+    logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s", stream=sys.stderr)
+    for noisy in ("accelerate", "datasets", "timm"):  # their per-save INFO lines drown the run's own
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    notes = [f"precision: {note}"] if note else []
+    notes.append(set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if device_type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+        # TF32 matmuls on Ampere and newer (as timm and NVIDIA's references train); convolutions
+        # already use TF32 by default in PyTorch.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        if torch.cuda.get_device_capability(acc.device)[0] >= 8:
+            notes.append("TF32 matmuls on")
+    if device_type == "cpu" and os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        notes.append(f"distributed: the launch config asks for FSDP, which needs CUDA GPUs; on CPU the "
+                     f"{acc.num_processes} process(es) run plain data parallel (every process holds the "
+                     "whole model)")
+    return Launch(acc, device_type, precision, acc.num_processes, acc.process_index, main, notes)

@@ -1,0 +1,319 @@
+"""The training loop: epochs of steps, an evaluation and a checkpoint at each epoch's end.
+
+`Trainer.fit()` reads top to bottom: for each epoch, each batch is augmented, stepped
+(engine.TrainStep), counted and logged; then the epoch is evaluated, the best weights exported and
+the state saved. A stop signal is honoured at a step boundary (or undoes the step it arrives in)
+and ends `fit()` with the signal number, after a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint
+from .collectives import agree_max, agreed, average_batchnorm, full_state_dict, world_size
+from .engine import MicroBatchExhausted, NonFiniteLoss, StepInterrupted, oom_message
+from .errors import VramfitError
+from .validation import evaluate
+
+log = logging.getLogger("vramfit")
+
+
+@dataclass
+class Clock:
+    """Training time and images, excluding evaluation and saving (images/s in the summary)."""
+
+    train_seconds: float = 0.0
+    train_samples: int = 0
+    data_wait: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def images_per_second(self) -> float | None:
+        return self.train_samples / self.train_seconds if self.train_seconds else None
+
+
+@dataclass
+class Trainer:
+    cfg: "Config"  # noqa: F821
+    L: "Launch"  # noqa: F821
+    run_dir: Path
+    model: torch.nn.Module
+    optimizer: "torch.optim.Optimizer"
+    scheduler: object
+    ema: object
+    step: "TrainStep"  # noqa: F821
+    eval_state: "EvalState"  # noqa: F821
+    loaders: "Loaders"  # noqa: F821
+    augment: object
+    faults: "Faults"  # noqa: F821
+    state: "TrainerState"  # noqa: F821
+    splits: "Splits"  # noqa: F821
+    data_cfg: dict
+    runlog: "RunLog"  # noqa: F821
+    flag: "SignalFlag"  # noqa: F821
+    plan_text: callable
+    clock: Clock = field(default_factory=Clock)
+    consecutive_skips: int = 0
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def fit(self) -> int:
+        """Train to the last epoch; returns the stop signal's number, 0 when training completed."""
+        self.model.train()
+        for epoch in range(self.state.epoch, self.cfg.train.epochs):
+            start = self.state.step_in_epoch if epoch == self.state.epoch else 0
+            self.loaders.sampler.set_epoch(epoch, start)
+            self.state.epoch = epoch
+            signum = self.train_epoch(epoch) or self.end_epoch(epoch)
+            if signum:
+                return signum
+        return 0
+
+    # ------------------------------------------------------------------------------ one epoch
+    def train_epoch(self, epoch: int) -> int:
+        pbar = _progress(self.L.main, len(self.loaders.sampler), epoch, self.cfg.train.epochs)
+        batches = iter(self.loaders.train)
+        t_wait = time.time()
+        try:
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return 0
+                except Exception as e:  # noqa: BLE001 - the others must not wait in this step's vote
+                    self.step.fail_together(e)
+                t_got = time.time()
+                self.clock.data_wait += t_got - t_wait
+                signum = self.train_one(batch, epoch, t_got, pbar)
+                self.clock.train_seconds += time.time() - t_wait
+                if signum:
+                    return signum
+                t_wait = time.time()
+        finally:
+            if pbar is not None:
+                pbar.close()
+
+    def train_one(self, batch, epoch: int, t_got: float, pbar) -> int:
+        st, cfg = self.state, self.cfg
+        if st.global_step == 0 or st.step_in_epoch == 0:
+            from .data import check_batch_shape
+
+            check_batch_shape(batch.images, cfg.data.image_size)
+        images, labels = self.augment(self.loaders.normalize(batch.images),
+                                      batch.labels.to(self.L.acc.device, non_blocking=True), epoch,
+                                      st.step_in_epoch)
+        lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (logged as such)
+        try:
+            res = self.step(images, labels, batch.step_samples, bad_files=len(batch.bad),
+                            stop_requested=self.faults.in_step(self.flag, st.global_step + 1),
+                            loss_fn=self.faults.loss_fn(st.global_step + 1))
+        except StepInterrupted as e:
+            # Undone on every process: save the last completed step; a resume redoes this one.
+            return self.stop(e.signum, f"during global step {st.global_step + 1}: the step was undone "
+                                       "between micro-batches")
+        except MicroBatchExhausted:
+            self.dump_memory()
+            raise oom_message(self.plan_text()) from None
+        except NonFiniteLoss as e:
+            raise self.nonfinite_error(e, batch) from None
+        self.count(res, batch)
+        if self.ema is not None:
+            self.ema.update(self.L.acc.unwrap_model(self.model), step=st.global_step + 1)
+        st.global_step += 1
+        st.step_in_epoch += 1
+        st.samples_seen += res.samples
+        st.oom_retries, st.micro_batch = self.step.state.oom_retries, self.step.state.micro_batch
+        self.scheduler.step_update(num_updates=st.global_step)
+        self.clock.train_samples += res.samples
+        self.report(res, epoch, lr, time.time() - t_got, pbar)
+        self.faults.after_step(self.flag, st.global_step)
+        if res.signum:
+            return self.stop(res.signum, f"after global step {st.global_step}")
+        every = cfg.checkpoint.every_steps
+        if every and st.global_step % every == 0:
+            self.save()
+        return 0
+
+    def count(self, res, batch) -> None:
+        """Unreadable files (every process counts every process's, so all stop together above the
+        limit; counted once the step is done, so an undone step is not counted twice) and fp16
+        skipped steps."""
+        st = self.state
+        if res.bad_files:
+            names = _gather_names(batch.bad)
+            st.count_bad_files(names)
+            if self.L.main:
+                for name in names:
+                    log.warning("unreadable image replaced: %s", name)
+            _check_bad_fraction(st.bad_files, len(self.splits.train), self.cfg.data.max_bad_fraction)
+        st.skipped_steps += int(res.skipped)
+        self.consecutive_skips = self.consecutive_skips + 1 if res.skipped else 0
+        if self.consecutive_skips >= self.cfg.train.max_consecutive_skipped_steps:
+            raise VramfitError(
+                f"fp16: {self.consecutive_skips} optimizer steps in a row were skipped for inf/NaN "
+                f"gradients (global step {st.global_step}): the run has diverged.",
+                hint="use --precision bf16 (no loss scaling) or lower --lr; resume from the last "
+                     f"checkpoint in {self.ckpt_dir}", exit_code=4)
+
+    def report(self, res, epoch: int, lr: float, dt: float, pbar) -> None:
+        st, mb = self.state, self.step.state.micro_batch
+        if pbar is not None:
+            pbar.update(1)
+            pbar.set_postfix(loss=f"{res.loss:.4f}", lr=f"{lr:.2e}", ips=f"{res.samples / max(dt, 1e-9):.0f}", mb=mb)
+        if st.global_step % self.cfg.train.log_every_steps and st.global_step != 1:
+            return
+        self.runlog.log({"kind": "train", "epoch": epoch, "loss": res.loss,
+                         "accuracy": res.correct / res.samples, "lr": lr, "grad_norm": res.grad_norm,
+                         "micro_batch": mb, "oom_retries": self.step.state.oom_retries,
+                         "images_per_second": self.clock.images_per_second or 0.0,
+                         "data_wait_fraction": self.clock.data_wait / max(self.clock.train_seconds, 1e-9),
+                         **_memory_figures(self.L.acc.device)}, st.global_step)
+
+    # ------------------------------------------------------------------------------ epoch end
+    def end_epoch(self, epoch: int) -> int:
+        t0 = time.time()
+        average_batchnorm(self.model)
+        if self.ema is not None:  # its BatchNorm statistics follow each process's own: one model
+            average_batchnorm(self.ema.module)
+        eval_model = self.ema.module if self.ema is not None else self.model
+        try:
+            res = evaluate(self.L.acc, eval_model, self.loaders.val, len(self.splits.class_names),
+                           self.loaders.normalize, self.eval_state,
+                           stop_requested=self.faults.in_eval(self.flag, epoch + 1),
+                           keep_logits=self.runlog.use_trackers)
+        except StepInterrupted as e:
+            # The epoch's steps are done and saved as such: a resume goes straight to evaluation.
+            return self.stop(e.signum, f"during the evaluation of epoch {epoch + 1}: saving the trained state")
+        st = self.state
+        skipped = st.epoch_skipped_samples
+        improved = st.end_epoch(res.accuracy, self.cfg.train.epochs)
+        if improved:
+            self.export_best(eval_model)
+        self.runlog.log({"kind": "eval", "epoch": epoch + 1, "val_loss": res.loss, "val_accuracy": res.accuracy,
+                         "val_top5": res.top5, "val_samples": res.samples, "val_unreadable": len(res.unreadable),
+                         "skipped_samples": skipped, "epoch_seconds": time.time() - t0}, st.global_step)
+        if self.runlog.use_trackers and res.logits is not None:
+            from .tracking import dataset_images, log_evaluation
+
+            log_evaluation(self.L.acc, res.logits, res.labels, self.splits.class_names, st.global_step,
+                           indices=res.indices, load_image=dataset_images(self.splits.val, self.splits.image_column))
+        if self.L.main:
+            _say_epoch(epoch + 1, self.cfg.train.epochs, res, improved)
+        self.save()
+        signum = agree_max(self.flag.signum, self.L.acc.device)
+        return self.stop(signum, "at the end of an epoch", save=False) if signum else 0
+
+    def export_best(self, eval_model) -> None:
+        """model/: the best weights, timm-loadable. Sharded (FSDP) parameters are gathered into a
+        full state dict on every process, and written by one."""
+        from .engine import is_fsdp
+        from .models import export
+
+        module = self.L.acc.unwrap_model(eval_model)
+        full = full_state_dict(eval_model) if is_fsdp(eval_model) else None
+        with agreed("exporting the best model", self.L.acc.device):
+            if self.L.main:
+                if full is not None:
+                    module = _full_copy(self.cfg, len(self.splits.class_names), full)
+                export(module, self.run_dir / "model", self.splits.class_names, self.data_cfg)
+
+    # ------------------------------------------------------------------------------ saving, stopping
+    def save(self) -> None:
+        average_batchnorm(self.model)
+        if self.ema is not None:
+            average_batchnorm(self.ema.module)
+        st = self.state
+        keep = (st.best_step,) if st.best_step is not None else ()
+        extra = {"ema": self.ema.module.state_dict()} if self.ema is not None else {}
+        checkpoint.save(self.L.acc, self.ckpt_dir, st.global_step, st.state_dict(),
+                        self.cfg.checkpoint.keep_last, keep, extra)
+
+    def stop(self, signum: int, where: str, save: bool = True) -> int:
+        import signal
+
+        signum = signum or int(signal.SIGTERM)
+        if self.L.main:
+            log.warning("signal %d %s", signum, where)
+        if save:
+            self.save()
+        return signum
+
+    def nonfinite_error(self, e, batch) -> VramfitError:
+        st, last = self.state, checkpoint.latest(self.ckpt_dir)
+        ids = batch.indices.tolist()
+        return VramfitError(
+            f"Non-finite {e.what} ({e.value}) at global step {st.global_step + 1} (epoch {st.epoch}); the "
+            f"update was not applied. Sample ids of this process's batch: {ids[:64]}"
+            f"{' ...' if len(ids) > 64 else ''}. Last good checkpoint: {last or 'none'}.",
+            hint="lower --lr, keep clip_grad_norm on, or try --precision bf16 / no; resume from the "
+                 "checkpoint with --resume auto", exit_code=4)
+
+    def dump_memory(self) -> None:
+        if self.L.main and torch.cuda.is_available():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "memory_summary.txt").write_text(torch.cuda.memory_summary(self.L.acc.device))
+
+
+def _say_epoch(epoch: int, epochs: int, res, improved: bool) -> None:
+    if res.accuracy is None:
+        log.warning("epoch %d/%d: no validation image could be read (%d unreadable): no accuracy, and this "
+                    "epoch is not taken as the best", epoch, epochs, len(res.unreadable))
+        return
+    log.info("epoch %d/%d: val accuracy %.4f (top5 %.4f, %d images), loss %.4f%s", epoch, epochs,
+             res.accuracy, res.top5, res.samples, res.loss, " (best)" if improved else "")
+
+
+def _gather_names(bad: list[str]) -> list[str]:
+    """This step's unreadable train files from every process (only called when there are some)."""
+    if world_size() == 1:
+        return list(bad)
+    from accelerate.utils import gather_object
+
+    return gather_object(list(bad))
+
+
+def _check_bad_fraction(bad: dict, n: int, limit: float) -> None:
+    if len(bad) > limit * n:
+        files = "\n  ".join(sorted(bad)[:50])
+        raise VramfitError(
+            f"{len(bad)} unreadable images out of {n} (more than data.max_bad_fraction={limit:.1%}):\n  {files}",
+            hint="fix or remove these files (`vramfit scan-data --data SRC` lists all), or raise "
+                 "--set data.max_bad_fraction=...")
+
+
+def _full_copy(cfg, num_classes: int, state_dict: dict):
+    from .models import create_model
+
+    module = create_model(cfg.model, num_classes, load_weights=False)
+    module.load_state_dict(state_dict)
+    return module
+
+
+def _memory_figures(device) -> dict:
+    import psutil
+
+    out = {"host_rss_bytes": psutil.Process().memory_info().rss}
+    if device.type == "cuda":
+        out.update(mem_allocated_bytes=torch.cuda.memory_allocated(device),
+                   mem_reserved_bytes=torch.cuda.memory_reserved(device),
+                   mem_peak_bytes=torch.cuda.max_memory_reserved(device))
+    return out
+
+
+def _progress(main: bool, total: int, epoch: int, epochs: int):
+    if not main:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", dynamic_ncols=True, leave=False,
+                disable=not sys.stderr.isatty() and os.environ.get("VRAMFIT_PROGRESS") != "1")

@@ -1,0 +1,147 @@
+"""Resume policy: which checkpoint a run continues from, whether it may, and loading it.
+
+A run folder belongs to one run. Re-running the same command continues it exactly (`--resume auto`);
+a command whose settings change the optimisation stops with what changed and how to start fresh,
+before anything is loaded, even when the run had finished; a change that only changes how the run
+is executed (the micro-batch, the process count with `allow_resume_change`) is said at start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import checkpoint
+from .config import Config
+from .errors import VramfitError
+
+log = logging.getLogger("vramfit")
+
+# Settings that change the maths of the run: a resumed run must share them.
+MATHS_KEYS = ("model", "image_size", "source", "data_identity", "global_batch", "optimizer", "lr",
+              "seed", "epochs", "precision", "ema_decay", "split_seed")
+# Settings that only change how the run is executed: a change is said, not refused.
+EXECUTION_KEYS = ("micro_batch",)
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    state: dict  # trainer_state.json as saved
+
+
+def data_identity(source: str) -> str | None:
+    """More than the path string: for a local folder or file, its file count and a hash of the
+    listing (names and sizes; no file is read), so new data under the same path is seen."""
+    p = Path(source)
+    if not p.exists():
+        return None
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    h = hashlib.blake2b(digest_size=8)
+    for f in files:
+        h.update(f"{f.relative_to(p) if f != p else f.name}:{f.stat().st_size}\n".encode())
+    return f"{len(files)} files, {h.hexdigest()}"
+
+
+def fingerprint(cfg: Config) -> dict:
+    """What a resumed run must share with the run it continues, and what it records."""
+    return {"model": cfg.model.name, "image_size": cfg.data.image_size, "source": cfg.data.source,
+            "data_identity": data_identity(cfg.data.source), "global_batch": cfg.train.global_batch,
+            "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "seed": cfg.train.seed,
+            "epochs": cfg.train.epochs,  # epochs shape the LR schedule
+            "precision": cfg.train.precision, "ema_decay": cfg.model.ema_decay,
+            "split_seed": getattr(cfg.data, "split_seed", 0), "micro_batch": cfg.train.micro_batch}
+
+
+def find(cfg: Config, ckpt_dir: Path) -> ResumePoint | None:
+    """The checkpoint this launch continues from (None: a fresh start)."""
+    if cfg.resume == "never":
+        if checkpoint.list_steps(ckpt_dir):
+            raise VramfitError(f"Run folder {ckpt_dir.parent} already holds checkpoints and --resume never "
+                               "was given.", hint="re-run with --resume auto to continue it, or pick "
+                                                  "another --run-name")
+        return None
+    if cfg.resume == "auto":
+        path = checkpoint.latest(ckpt_dir)
+    else:
+        path = Path(cfg.resume)
+        if not checkpoint.is_complete(path):
+            raise VramfitError(f"--resume {cfg.resume} is not a complete checkpoint folder.",
+                               hint=f"use --resume auto, or one of {ckpt_dir}/step-N")
+    return ResumePoint(path, checkpoint.read_state(path)) if path else None
+
+
+def check(cfg: Config, point: ResumePoint, world: int) -> list[str]:
+    """Refuse a resume that would change the run's maths (unless allowed); return the notes to
+    print for what changes only its execution."""
+    old, new = point.state.get("fingerprint", {}), fingerprint(cfg)
+    diffs = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in MATHS_KEYS if k in old and old[k] != new[k]]
+    notes = []
+    if diffs and not cfg.allow_resume_change:
+        raise VramfitError(
+            f"Cannot resume {point.path.parent.parent}: the settings changed in ways that change the run ("
+            + "; ".join(diffs) + ").",
+            hint="restore those settings; or start fresh with another --run-name (or --output); or accept "
+                 "the change with --set allow_resume_change=true")
+    if diffs:
+        notes.append("resuming despite changed settings (" + "; ".join(diffs) + "): allow_resume_change")
+    for k in EXECUTION_KEYS:
+        if k in old and old[k] != new[k]:
+            notes.append(f"resumed with {k} {new[k]!r} (the checkpoint's run used {old[k]!r}); with "
+                         "train-mode BatchNorm the statistics are taken over other groups from here on")
+    saved_world = point.state.get("world_size")
+    if saved_world not in (None, world):
+        msg = (f"the checkpoint was written by {saved_world} process(es), this run has {world}: the "
+               "global batch and sample order are unchanged, but per-process random states cannot be "
+               "carried over, so the result will not be bitwise identical")
+        if not cfg.allow_resume_change:
+            raise VramfitError(f"Cannot resume: {msg}.", hint=f"launch with {saved_world} process(es), or "
+                                                             "accept it with --set allow_resume_change=true")
+        notes.append(f"resuming anyway: {msg}")
+    return notes
+
+
+def class_names_match(point: ResumePoint, class_names: list[str]) -> None:
+    saved = point.state.get("class_names")
+    if saved not in (None, class_names):
+        raise VramfitError(
+            f"The dataset's classes {class_names[:10]}... differ from the checkpoint's {saved[:10]}...: "
+            "the model head would not match.", hint="resume with the same data, or start a new run (--run-name)")
+
+
+def load(accelerator, point: ResumePoint, world: int, seed: int, ema=None) -> None:
+    """Weights, optimizer, scaler and RNG states (Accelerate), EMA weights; the RNG states are
+    checked, unless the process count changed (then each process is reseeded from the step)."""
+    try:  # Accelerate loads every pickle with weights_only=True (numpy RNG types allow-listed)
+        accelerator.load_state(str(point.path))
+    except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be loaded safely is reported, not run
+        raise VramfitError(
+            f"Could not load checkpoint {point.path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+            hint="resume from an older checkpoint (--resume PATH), or start over with --resume never "
+                 "(files there may have been written by another program: nothing in them was executed)"
+        ) from None
+    rank = accelerator.process_index
+    if point.state.get("world_size") in (None, world):
+        checkpoint.verify_rng_restored(point.path, rank)
+    else:
+        from accelerate.utils import set_seed
+
+        set_seed(seed + rank + 1000 * int(point.state.get("global_step", 0)))
+    if ema is not None:
+        checkpoint.load_extra(point.path, "ema", ema.module)
+    for key in ("epoch", "step_in_epoch", "global_step"):
+        if not isinstance(point.state.get(key), int):
+            raise VramfitError(f"Checkpoint {point.path} has no valid `{key}`: the data position cannot be "
+                               "restored.", hint="resume from another checkpoint (--resume PATH)")
+
+
+def resumed_micro_batch(point: ResumePoint | None, world: int, allow_change: bool) -> int | None:
+    """The micro-batch the interrupted run had come down to after out-of-memory errors, when the
+    new launch is the same shape (going back up would run out again, and with train-mode BatchNorm
+    change the maths)."""
+    if point is None or allow_change or point.state.get("world_size") != world:
+        return None
+    mb = point.state.get("micro_batch")
+    return mb if isinstance(mb, int) and mb >= 1 else None

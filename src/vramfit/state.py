@@ -1,0 +1,60 @@
+"""The trainer's own state: where the run is, what it has seen, what it found. Saved in every
+checkpoint (trainer_state.json) and restored on resume; the weights, optimizer and RNG states are
+Accelerate's."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class TrainerState:
+    global_step: int = 0
+    epoch: int = 0  # epochs completed (the one in progress while training)
+    step_in_epoch: int = 0
+    samples_seen: int = 0
+    best_accuracy: float | None = None
+    best_step: int | None = None
+    final_accuracy: float | None = None
+    oom_retries: int = 0
+    skipped_samples: int = 0
+    epoch_skipped_samples: int = 0
+    bad_files: dict[str, int] = field(default_factory=dict)
+    skipped_steps: int = 0  # fp16 GradScaler skipped the update
+    micro_batch: int = 0  # where the run is now (after any out-of-memory reductions)
+    class_names: list[str] = field(default_factory=list)
+    world_size: int = 1
+    global_batch: int = 0
+    finished: bool = False
+    fingerprint: dict = field(default_factory=dict)
+    wandb_run_id: str | None = None  # a resumed run appends to the same W&B run
+
+    # What resume must not take from the checkpoint: it belongs to the new launch.
+    LAUNCH_FIELDS = ("micro_batch", "world_size")
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Take every known field the checkpoint holds except the launch's own (unknown keys of a
+        newer or older version are ignored)."""
+        for f in fields(self):
+            if f.name in saved and f.name not in self.LAUNCH_FIELDS:
+                setattr(self, f.name, saved[f.name])
+
+    def count_bad_files(self, names: list[str]) -> None:
+        for name in names:
+            self.bad_files[name] = self.bad_files.get(name, 0) + 1
+        self.skipped_samples += len(names)
+        self.epoch_skipped_samples += len(names)
+
+    def end_epoch(self, accuracy: float | None, epochs: int) -> bool:
+        """Record an evaluated epoch; True when it is the best so far (never on 0 images)."""
+        self.final_accuracy = accuracy
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        self.epoch_skipped_samples = 0
+        self.finished = self.epoch == epochs
+        improved = accuracy is not None and (self.best_accuracy is None or accuracy > self.best_accuracy)
+        if improved:
+            self.best_accuracy, self.best_step = accuracy, self.global_step
+        return improved

@@ -1,0 +1,85 @@
+"""summary.json and the closing line: the figures a finished (or stopped) run is compared by."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+log = logging.getLogger("vramfit")
+
+
+def build(run_name: str, cfg, L, state, step_state, plan: dict, clock, class_names: list[str],
+          empty_classes: list[str]) -> dict:
+    peak = torch.cuda.max_memory_reserved(L.acc.device) if L.device_type == "cuda" else None
+    from .batching import grad_accum_steps
+
+    summary = {
+        "run_name": run_name, "best_accuracy": state.best_accuracy, "final_accuracy": state.final_accuracy,
+        "epochs": state.epoch, "global_step": state.global_step, "global_batch": cfg.train.global_batch,
+        "micro_batch": step_state.micro_batch,
+        "grad_accum_steps": grad_accum_steps(plan["per_process_batch"], step_state.micro_batch),
+        "num_processes": L.world, "precision": "fp32" if L.precision == "no" else L.precision,
+        "images_per_second": clock.images_per_second,
+        "peak_memory_bytes": peak,
+        # The planner's figure for the same quantity (allocator reserve, no CUDA context), at the
+        # micro-batch the run started with: the two side by side show how good the plan was.
+        "predicted_peak_memory_bytes": (plan.get("estimate") or {}).get("reserved_bytes"),
+        "skipped_samples": state.skipped_samples, "skipped_steps": state.skipped_steps,
+        "oom_retries": step_state.oom_retries, "micro_batch_changes": step_state.history,
+        "wall_seconds": time.time() - clock.started, "finished": state.finished,
+        "unreadable_files": sorted(state.bad_files),
+        "num_classes": len(class_names), "class_names": class_names, "empty_classes": empty_classes,
+    }
+    # Every reader of summary.json expects JSON: no NaN or infinity, ever.
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+
+
+def say_start(cfg, L, run_name: str, splits, micro, steps_per_epoch: int, workers: int,
+              resume_notes: list[str], point) -> None:
+    if not L.main:
+        return
+    notes = [*splits.notes, *L.notes, *resume_notes, *([micro.note] if micro.note else [])]
+    log.info("vramfit: %s | %s | %d classes, %d train / %d val images%s", run_name, splits.description,
+             len(splits.class_names), len(splits.train), len(splits.val), "".join(f"\n  note: {n}" for n in notes))
+    precision = "fp32" if L.precision == "no" else L.precision
+    log.info("batch: global %d = micro %d x accum %d x %d process(es) | precision %s | device %s | "
+             "%d steps/epoch, %d workers", cfg.train.global_batch, micro.size, micro.grad_accum_steps, L.world,
+             precision, L.acc.device, steps_per_epoch, workers)
+    if point:
+        log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", point.path,
+                 point.state["epoch"], point.state["step_in_epoch"], point.state["global_step"])
+
+
+def finish(result: dict, L, run_dir, signum: int, state) -> None:
+    """summary.json (every process agrees it was written), the trackers' summary, the last line."""
+    from .collectives import agreed
+    from .tracking import write_json
+
+    with agreed("writing the summary", L.acc.device):
+        if L.main:
+            write_json(run_dir / "summary.json", result)
+    if signum:
+        if L.main:
+            log.warning("Stopped by signal %d at global step %d; checkpoint saved. Re-run the same command "
+                        "to resume.", signum, state.global_step)
+        return
+    if L.main:
+        closing_line(result, state.best_step, run_dir)
+
+
+def closing_line(summary: dict, best_step, run_dir) -> None:
+    peak, predicted = summary["peak_memory_bytes"], summary["predicted_peak_memory_bytes"]
+    ips = summary["images_per_second"]
+    if peak and predicted:
+        peak_text = f"{peak / 2**30:.2f} GiB reserved (planned {predicted / 2**30:.2f})"
+    else:
+        peak_text = f"{peak / 2**30:.2f} GiB reserved" if peak else "n/a (CPU)"
+    best = summary["best_accuracy"]
+    log.info("done in %.0f s: best val accuracy %s (step %s), %s img/s, device peak %s, %d skipped "
+             "image(s), %d OOM retr%s\n  run folder: %s (summary.json; best weights in model/)",
+             summary["wall_seconds"], f"{best:.4f}" if best is not None else "n/a", best_step,
+             f"{ips:.0f}" if ips else "n/a", peak_text, summary["skipped_samples"], summary["oom_retries"],
+             "y" if summary["oom_retries"] == 1 else "ies", run_dir)

@@ -1,0 +1,104 @@
+"""One evaluation pass over the validation loader: exact accuracy across processes, OOM-safe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import batching
+from .collectives import Status, StepVote, world_size
+from .engine import StepInterrupted, is_oom
+from .metrics import ClassificationMetrics
+
+
+@dataclass
+class EvalState:
+    micro_batch: int  # shrinks on an evaluation OOM and stays shrunk for the rest of the run
+
+
+@dataclass
+class EvalResult:
+    accuracy: float | None  # None when no image could be read
+    top5: float | None
+    loss: float | None
+    samples: int
+    unreadable: list[str] = field(default_factory=list)
+    predictions: torch.Tensor | None = None  # top-1 class per sample (CPU), in gathered order
+    labels: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # (N, C) float on the CPU, for per-class figures
+    indices: torch.Tensor | None = None  # dataset row of each sample (with logits)
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, num_classes: int, normalize, state: EvalState,
+             stop_requested=None, keep_logits: bool = False) -> EvalResult:
+    """`gather_for_metrics` drops the samples the sharded loader repeats to even out the last batch.
+    Each batch is agreed between processes (one small collective): an OOM on any process retries
+    the batch on every process with a smaller micro-batch (so every process runs the same forwards,
+    which FSDP needs), and a stop signal raises StepInterrupted on all of them: evaluation changes
+    nothing, so the caller saves the trained state at once and a resumed run evaluates again."""
+    model.eval()
+    try:
+        return _evaluate(accelerator, model, loader, num_classes, normalize, state, stop_requested, keep_logits)
+    finally:
+        model.train()
+
+
+def _evaluate(acc, model, loader, num_classes, normalize, state, stop_requested, keep_logits) -> EvalResult:
+    metrics = ClassificationMetrics(num_classes)
+    vote = StepVote(acc.device) if world_size() > 1 else None
+    bad, loss_sum, kept = [], 0.0, {"p": [], "y": [], "l": [], "i": []}
+    for batch in loader:
+        x, y = normalize(batch.images), batch.labels.to(acc.device)
+        logits = _forward_agreed(model, x, state, vote, stop_requested, acc.device)
+        logits, y, idx = acc.gather_for_metrics((logits, y, batch.indices.to(acc.device)))
+        valid = y >= 0  # -1 marks an unreadable validation image (masked, reported)
+        if valid.any():
+            lv, yv = logits[valid], y[valid]
+            metrics.add(lv, yv)
+            loss_sum += float(F.cross_entropy(lv, yv, reduction="sum"))
+            kept["p"].append(lv.argmax(1).cpu())
+            kept["y"].append(yv.cpu())
+            if keep_logits:
+                kept["l"].append(lv.cpu())
+                kept["i"].append(idx[valid].cpu())
+        bad.extend(batch.bad)
+    out = metrics.compute()
+    n = out["samples"]
+    cat = (lambda xs: torch.cat(xs) if xs else None)  # noqa: E731
+    return EvalResult(accuracy=out["accuracy"] if n else None, top5=out["top5"] if n else None,
+                      loss=loss_sum / n if n else None, samples=n, unreadable=bad,
+                      predictions=cat(kept["p"]), labels=cat(kept["y"]), logits=cat(kept["l"]),
+                      indices=cat(kept["i"]))
+
+
+def _forward_agreed(model, x, state: EvalState, vote, stop_requested, device):
+    while True:
+        signum = int(stop_requested()) if stop_requested is not None else 0
+        status, logits = (Status.STOP, None) if signum else _forward(model, x, state.micro_batch)
+        if vote is not None:
+            zero = torch.zeros((), device=device)
+            verdict = vote.vote(status, signum, 0, zero, zero)
+            status, signum = verdict.status, verdict.signum or signum
+        if status == Status.STOP:
+            raise StepInterrupted(signum)
+        if status == Status.OOM:
+            if state.micro_batch == 1:
+                raise torch.OutOfMemoryError("out of memory evaluating one image at a time")
+            state.micro_batch = batching.smaller_micro_batch(state.micro_batch)
+            continue
+        return logits
+
+
+def _forward(model, x, micro: int):
+    bounds = batching.chunk_bounds(x.shape[0], -(-x.shape[0] // micro)) or [(0, 0)]
+    try:
+        return Status.OK, torch.cat([model(x[s:e]).float() for s, e in bounds])
+    except Exception as e:  # noqa: BLE001
+        if not is_oom(e):
+            raise
+    if x.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Status.OOM, None
