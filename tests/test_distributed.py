@@ -29,7 +29,7 @@ def folder(tmp_path_factory):
     return root
 
 
-def _run(folder, out, name, nproc, *extra, timeout=300):
+def _run(folder, out, name, nproc, *extra, timeout=300, expect=0):
     args = [str(REPO / "train.py"), "--data", str(folder), "--model", "test_resnet", "--image-size", "24",
             "--global-batch", "16", "--epochs", "1", "--output", str(out), "--run-name", name,
             "--set", "data.num_workers=0", "--set", "model.bn=freeze", "--set", "data.crop_pct=1.0",
@@ -38,7 +38,12 @@ def _run(folder, out, name, nproc, *extra, timeout=300):
            if nproc > 1 else [sys.executable]) + args
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    if expect and nproc > 1:  # torchrun exits 1 and names each worker's own exit code
+        assert proc.returncode == 1 and f"exitcode  : {expect} " in proc.stderr, proc.stderr[-4000:]
+        return proc
+    assert proc.returncode == expect, proc.stderr[-4000:]
+    if expect:
+        return proc
     return out / name
 
 
@@ -179,3 +184,71 @@ def test_too_many_bad_files_stop_every_process_together(folder_with_bad_files, t
     # Both ranks reach the same verdict at the same step (torchrun adds its own failure report).
     assert proc.returncode != 0 and proc.stderr.count("2 unreadable images out of 50") == 1  # one message
     assert "zero.png" in proc.stderr and "noise.png" in proc.stderr and "scan-data" in proc.stderr
+
+
+def test_fsdp2_step_equals_one_process(tmp_path):
+    """The FSDP path on 2 CPU processes (torch's fully_shard): gradient sync only on the last
+    micro-batch, equal forward counts (a process with no sample joins with weightless forwards),
+    the same losses and, gathered into a full state dict, the same weights as one process."""
+    out = tmp_path / "fsdp.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "tests" / "_fsdp_probe.py"), str(out)], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["fsdp"] and res["syncs"] == [False, False, True] * 3 + [True]
+
+    from accelerate import Accelerator
+
+    from vramfit.config import ModelConfig, OptimConfig
+    from vramfit.engine import TrainStep
+    from vramfit.models import create_model
+    from vramfit.optim import create_optimizer
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="test_resnet", bn="freeze"), num_classes=5, load_weights=False)
+    opt = create_optimizer(model, OptimConfig(lr=1e-3))
+    model, opt = acc.prepare(model, opt)
+    step = TrainStep(acc, model, opt, 16, label_smoothing=0.0, clip_grad_norm=None)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for n in (16, 16, 16, 3):
+        x, y = torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 5, (n,), generator=g)
+        losses.append(step(x, y, n).loss)
+    assert res["losses"] == pytest.approx(losses, rel=1e-5)
+    single = {k: v.sum().item() for k, v in model.state_dict().items()}
+    assert single.keys() == res["weights"].keys()
+    for k in single:
+        assert single[k] == pytest.approx(res["weights"][k], abs=1e-4), k
+
+
+def test_ema_and_batchnorm_statistics_are_one_model_and_resume_exactly(folder, tmp_path):
+    """Train-mode BatchNorm and an EMA on 2 processes: each process's statistics follow its own
+    batches, so they are averaged (live and EMA alike) before every evaluation, and each process's
+    own are kept in the checkpoint: a run interrupted mid-epoch and resumed ends bitwise equal to
+    one that was not, in its weights, its EMA and its exported model."""
+    args = ("--epochs", "2", "--set", "model.bn=train", "--set", "model.ema_decay=0.9")
+    ref = _run(folder, tmp_path, "ref", 2, *args)
+    _run(folder, tmp_path, "cut", 2, *args, "--set", "debug.signal_at_step=4", expect=143)
+    cut = _run(folder, tmp_path, "cut", 2, *args)
+    for name in ("model.safetensors", "ema.safetensors"):
+        a, b = (load_file(sorted((d / "checkpoints").glob("step-*"))[-1] / name) for d in (ref, cut))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    a, b = (load_file(d / "model" / "model.safetensors") for d in (ref, cut))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ema = load_file(sorted((ref / "checkpoints").glob("step-*"))[-1] / "ema.safetensors")
+    assert any(k.endswith("running_mean") for k in ema) and all(torch.equal(ema[k], b[k]) for k in b)
+
+
+def test_resuming_with_more_processes_than_the_checkpoint(folder, tmp_path):
+    """A 1-process checkpoint resumed on 2 processes: refused with a printed error on its own, and
+    with allow_resume_change it continues (same sample order, fresh per-process random streams)."""
+    _run(folder, tmp_path, "grow", 1, "--epochs", "2", "--set", "debug.signal_at_step=2", expect=143)
+    proc = _run(folder, tmp_path, "grow", 2, "--epochs", "2", expect=2)
+    assert "written by 1 process(es), this run has 2" in proc.stderr and "HINT:" in proc.stderr
+    assert proc.stderr.count("vramfit: error:") == 1  # once per machine, no traceback from vramfit itself
+    assert "src/vramfit" not in proc.stderr  # torchrun's own report follows, but no frame of ours
+    grown = _run(folder, tmp_path, "grow", 2, "--epochs", "2", "--set", "allow_resume_change=true")
+    s = json.loads((grown / "summary.json").read_text())
+    assert s["num_processes"] == 2 and s["global_step"] == 6 and s["finished"]

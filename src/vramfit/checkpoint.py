@@ -46,7 +46,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int,
-         keep_steps: tuple[int, ...] = (), extra: dict | None = None) -> Path:
+         keep_steps: tuple[int, ...] = (), extra: dict | None = None, local: dict | None = None) -> Path:
     """Collective: every process calls it. Returns the final folder. A failure on any process (a
     full disk) stops every process with a clear error; the previous checkpoint stays as it was."""
     from accelerate.utils import DistributedType
@@ -64,6 +64,9 @@ def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int
     sharded = accelerator.distributed_type == DistributedType.FSDP
     with (contextlib.nullcontext() if sharded else agreed("writing a checkpoint", device)), _writing(root, tmp):
         accelerator.save_state(str(tmp), safe_serialization=True)
+        if local:  # this process's own tensors (see `load_local`)
+            save_file({k: v.detach().cpu().contiguous() for k, v in local.items()},
+                      tmp / f"local_{accelerator.process_index}.safetensors")
     with agreed("finishing a checkpoint", device), _writing(root, tmp):
         if main:
             _complete(tmp, final, root, step, trainer_state, extra)
@@ -175,6 +178,12 @@ def load_extra(path: Path, name: str, module: torch.nn.Module) -> None:
         raise VramfitError(f"Checkpoint {path} has no {name} state ({f.name}), but this run uses it.",
                            hint=f"resume with the settings the checkpoint was written with")
     module.load_state_dict(load_file(f))
+
+
+def load_local(path: Path, rank: int) -> dict | None:
+    """The tensors process `rank` saved as its own (`save(local=...)`): None when there are none."""
+    f = Path(path) / f"local_{rank}.safetensors"
+    return load_file(f) if f.is_file() else None
 
 
 def verify_rng_restored(path: Path, rank: int) -> None:

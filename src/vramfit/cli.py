@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     except VramfitError as e:
         if _prints_here(e):
             _print_error(e)
+        _close_process_group()
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("\nvramfit: interrupted", file=sys.stderr)
@@ -206,8 +207,21 @@ def main(argv: list[str] | None = None) -> None:
             raise
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"\nvramfit: error: {e}; its message is printed by that process.", file=sys.stderr)
+        _close_process_group()
         sys.exit(2)
     sys.exit(code)
+
+
+def _close_process_group() -> None:
+    """Every process reached the same error (see collectives.agreed): close the process group
+    before exiting, or its threads abort the interpreter on the way out (SIGABRT, not our code)."""
+    import contextlib
+
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _prints_here(e: VramfitError) -> bool:

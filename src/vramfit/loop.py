@@ -229,14 +229,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ saving, stopping
     def save(self) -> None:
-        average_batchnorm(self.model)
-        if self.ema is not None:
-            average_batchnorm(self.ema.module)
+        """A checkpoint of the last completed step. Each process also keeps its own BatchNorm
+        statistics (live and EMA; they follow its own batches between evaluations), so a resumed
+        run continues exactly where every process was, and saving changes nothing in the run."""
         st = self.state
         keep = (st.best_step,) if st.best_step is not None else ()
         extra = {"ema": self.ema.module.state_dict()} if self.ema is not None else {}
+        local = local_buffers(self.model, self.ema) if world_size() > 1 else None
         checkpoint.save(self.L.acc, self.ckpt_dir, st.global_step, st.state_dict(),
-                        self.cfg.checkpoint.keep_last, keep, extra)
+                        self.cfg.checkpoint.keep_last, keep, extra, local)
 
     def stop(self, signum: int, where: str, save: bool = True) -> int:
         import signal
@@ -262,6 +263,14 @@ class Trainer:
         if self.L.main and torch.cuda.is_available():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "memory_summary.txt").write_text(torch.cuda.memory_summary(self.L.acc.device))
+
+
+def local_buffers(model, ema) -> dict:
+    """This process's buffers of the live model and of its EMA, by name."""
+    out = {f"model.{k}": v for k, v in model.named_buffers()}
+    if ema is not None:
+        out.update({f"ema.{k}": v for k, v in ema.module.named_buffers()})
+    return out
 
 
 def _say_epoch(epoch: int, epochs: int, res, improved: bool) -> None:

@@ -111,9 +111,10 @@ def class_names_match(point: ResumePoint, class_names: list[str]) -> None:
             "the model head would not match.", hint="resume with the same data, or start a new run (--run-name)")
 
 
-def load(accelerator, point: ResumePoint, world: int, seed: int, ema=None) -> None:
-    """Weights, optimizer, scaler and RNG states (Accelerate), EMA weights; the RNG states are
-    checked, unless the process count changed (then each process is reseeded from the step)."""
+def load(accelerator, point: ResumePoint, world: int, seed: int, model, ema=None) -> None:
+    """Weights, optimizer, scaler and RNG states (Accelerate), EMA weights, and each process's own
+    BatchNorm statistics; the RNG states are checked, unless the process count changed (then each
+    process is reseeded from the step, and takes the main process's statistics)."""
     try:  # Accelerate loads every pickle with weights_only=True (numpy RNG types allow-listed)
         accelerator.load_state(str(point.path))
     except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be loaded safely is reported, not run
@@ -123,7 +124,8 @@ def load(accelerator, point: ResumePoint, world: int, seed: int, ema=None) -> No
                  "(files there may have been written by another program: nothing in them was executed)"
         ) from None
     rank = accelerator.process_index
-    if point.state.get("world_size") in (None, world):
+    same_shape = point.state.get("world_size") in (None, world)
+    if same_shape:
         checkpoint.verify_rng_restored(point.path, rank)
     else:
         from accelerate.utils import set_seed
@@ -131,10 +133,24 @@ def load(accelerator, point: ResumePoint, world: int, seed: int, ema=None) -> No
         set_seed(seed + rank + 1000 * int(point.state.get("global_step", 0)))
     if ema is not None:
         checkpoint.load_extra(point.path, "ema", ema.module)
+    own = checkpoint.load_local(point.path, rank) if same_shape else None
+    if own:
+        _restore_buffers(accelerator.unwrap_model(model), own, "model.")
+        if ema is not None:
+            _restore_buffers(ema.module, own, "ema.")
     for key in ("epoch", "step_in_epoch", "global_step"):
         if not isinstance(point.state.get(key), int):
             raise VramfitError(f"Checkpoint {point.path} has no valid `{key}`: the data position cannot be "
                                "restored.", hint="resume from another checkpoint (--resume PATH)")
+
+
+def _restore_buffers(module, saved: dict, prefix: str) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, buf in module.named_buffers():
+            if prefix + name in saved:
+                buf.copy_(saved[prefix + name])
 
 
 def resumed_micro_batch(point: ResumePoint | None, world: int, allow_change: bool) -> int | None:

@@ -180,7 +180,8 @@ def _predict(cfg: Config, num_classes: int, mb: batching.MicroBatch, L) -> dict:
     return {"predicted_peak_bytes": est.peak_bytes, "estimate": est.as_dict()}
 
 
-def restore_state(cfg: Config, L, point, micro: batching.MicroBatch, class_names: list[str], scheduler, ema):
+def restore_state(cfg: Config, L, point, micro: batching.MicroBatch, class_names: list[str], model,
+                  scheduler, ema):
     """The trainer state: fresh, or the checkpoint's (with weights, optimizer, RNG and EMA)."""
     from accelerate.utils import set_seed
 
@@ -194,7 +195,7 @@ def restore_state(cfg: Config, L, point, micro: batching.MicroBatch, class_names
         set_seed(cfg.train.seed + L.rank)  # per-process streams for dropout / drop-path from here on
         return state
     with agreed("loading the checkpoint", L.acc.device):
-        resume.load(L.acc, point, L.world, cfg.train.seed, ema)
+        resume.load(L.acc, point, L.world, cfg.train.seed, model, ema)
     state.load_state_dict(point.state)
     scheduler.step_update(num_updates=state.global_step)
     return state
