@@ -65,7 +65,8 @@ def _evaluate(acc, model, loader, num_classes, normalize, state, stop_requested,
                 kept["l"].append(lv.cpu())
                 kept["i"].append(idx[valid].cpu())
         bad.extend(batch.bad)
-    out = metrics.compute()
+    # No readable image at all: no figures (evaluate cannot compute over nothing), never NaN.
+    out = metrics.compute() if metrics.count else {"samples": 0}
     n = out["samples"]
     cat = (lambda xs: torch.cat(xs) if xs else None)  # noqa: E731
     return EvalResult(accuracy=out["accuracy"] if n else None, top5=out["top5"] if n else None,

@@ -1,0 +1,94 @@
+"""The run loop's own rules: the logged LR, what a resume says it changed, plan.json after every
+override, runs whose validation images are all unreadable, and an --output that cannot be written."""
+import json
+import logging
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import tiny_args
+
+
+def _records(run_dir, kind):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_the_logged_lr_is_the_one_the_step_used(train_cli):
+    """Warmup from lr/100 over 29 steps (one epoch of 30, the last step kept for the schedule's end):
+    step 1 runs at lr/100, step 2 one increment above (logged before the schedule moves on)."""
+    run_dir, code = train_cli(*tiny_args("--set", "train.log_every_steps=1", "--set", "debug.signal_at_step=3",
+                                         "--lr", "1e-3"))
+    assert code == 143
+    lrs = [r["lr"] for r in _records(run_dir, "train")]
+    assert lrs[0] == pytest.approx(1e-5) and lrs[1] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 29)
+
+
+def test_a_resume_says_what_its_micro_batch_changed_and_plan_json_follows(train_cli, caplog):
+    caplog.set_level(logging.INFO, logger="vramfit")
+    run_dir, code = train_cli(*tiny_args("--micro-batch", "8", "--set", "debug.signal_at_step=3"))
+    assert code == 143 and json.loads((run_dir / "plan.json").read_text())["micro_batch"] == 8
+    caplog.clear()
+    run_dir, code = train_cli(*tiny_args("--micro-batch", "4"))
+    assert code == 0
+    assert "resumed with micro_batch 4 (the checkpoint's run used 8)" in caplog.text
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert (plan["micro_batch"], plan["grad_accum_steps"]) == (4, 4)
+
+
+def test_a_micro_batch_larger_than_the_global_batch_says_what_is_used(train_cli, caplog):
+    caplog.set_level(logging.INFO, logger="vramfit")
+    run_dir, code = train_cli(*tiny_args("--micro-batch", "64", "--set", "debug.signal_at_step=1"))
+    assert code == 143
+    assert "micro-batch 64 is larger than this process's share of the global batch (16)" in caplog.text
+    assert json.loads((run_dir / "plan.json").read_text())["micro_batch"] == 16
+
+
+@pytest.fixture
+def unreadable_val(tmp_path):
+    root = tmp_path / "imgs"
+    g = torch.Generator().manual_seed(0)
+    for c in range(2):
+        for split, n in (("train", 12), ("val", 3)):
+            d = root / split / f"c{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                if split == "val":
+                    (d / f"{i}.png").write_bytes(os.urandom(300))
+                else:
+                    Image.fromarray((torch.rand(24, 24, 3, generator=g) * 255).byte().numpy()).save(d / f"{i}.png")
+    return root
+
+
+def test_all_validation_images_unreadable_never_gives_nan_or_a_best_epoch(train_cli, unreadable_val, caplog):
+    run_dir, code = train_cli("--data", str(unreadable_val), "--model", "test_resnet", "--image-size", "24",
+                              "--global-batch", "8", "--epochs", "1", "--set", "data.num_workers=0")
+    assert code == 0
+    text = (run_dir / "summary.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    summary = json.loads(text)
+    assert summary["best_accuracy"] is None and summary["final_accuracy"] is None
+    assert not (run_dir / "model").exists()  # no epoch was "best" on 0 images
+    assert "no validation image could be read (6 unreadable)" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_is_said_before_anything_loads(train_cli, tmp_path, capsys):
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o500)
+    _, code = train_cli(*tiny_args(), output=out)
+    assert code == 2
+
+
+def test_an_output_path_that_is_a_file_is_said_before_anything_loads(tmp_path, capsys):
+    from vramfit.cli import main
+
+    blocker = tmp_path / "runs"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit) as e:
+        main(["train", *tiny_args(), "--output", str(blocker)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Cannot write into --output" in err and "in the way" in err
+    assert "Traceback" not in err and "classes" not in err  # stopped before the data was loaded
