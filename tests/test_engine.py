@@ -209,3 +209,28 @@ def test_thrashing_shrinks_but_never_fails_a_finished_step(monkeypatch, caplog):
     _, losses, state = _train(model, ocfg, _data(4, 4), micro=2)
     assert [h["to"] for h in state.history] == [1] and state.micro_batch == 1
     assert len(losses) == 4 and "allocator had to free its cache" in caplog.text
+
+
+def test_gradient_checkpointing_counts_each_batch_once_in_batchnorm():
+    """Backward re-runs checkpointed forwards; their BatchNorm updates are put back, so with
+    checkpointing the running statistics (and weights) equal a run without it."""
+    torch.manual_seed(0)
+    plain = create_model(ModelConfig(name="test_resnet"), num_classes=5, load_weights=False)
+    ckpt = copy.deepcopy(plain)
+    ckpt.set_grad_checkpointing(True)
+    batches = _data(2, 8)
+    results = []
+    for model, recomputes in ((plain, False), (ckpt, True)):
+        acc = Accelerator(cpu=True)
+        opt = create_optimizer(model, OptimConfig())
+        step = TrainStep(acc, model, opt, 4, label_smoothing=0.0, clip_grad_norm=None, recomputes=recomputes)
+        for x, y in batches:
+            step(x, y, 8)
+        results.append(model.state_dict())
+    tracked = {k: v.item() for k, v in results[1].items() if k.endswith("num_batches_tracked")}
+    assert set(tracked.values()) == {4}  # 2 steps x 2 micro-batches, not twice that
+    assert _max_diff_sd(results[0], results[1]) <= 1e-6
+
+
+def _max_diff_sd(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

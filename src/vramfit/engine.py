@@ -115,7 +115,8 @@ class TrainStep:
     """
 
     def __init__(self, accelerator, model, optimizer, micro_batch: int, *, label_smoothing: float,
-                 clip_grad_norm: float | None, check_grad_norm: bool = True, oom_retries: int = 0):
+                 clip_grad_norm: float | None, check_grad_norm: bool = True, oom_retries: int = 0,
+                 recomputes: bool = False):
         self.acc, self.model, self.optimizer = accelerator, model, optimizer
         self.device = accelerator.device
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -125,6 +126,7 @@ class TrainStep:
         self.state = StepState(micro_batch=micro_batch, oom_retries=oom_retries)
         self.label_smoothing, self.clip_grad_norm = label_smoothing, clip_grad_norm
         self.check_grad_norm = check_grad_norm
+        self.recomputes = recomputes and any(True for _ in model.buffers())  # gradient checkpointing
         self.loss_fn: Callable = cross_entropy_sum
         self.zero_loss = torch.zeros((), device=self.device)
         self.zero_hits = torch.zeros((), device=self.device, dtype=torch.int64)
@@ -168,7 +170,7 @@ class TrainStep:
                     self.reducer.arm()
                 logits = self.model(images[s:e])
                 loss = loss_fn(logits, labels[s:e], self.label_smoothing)
-                self.acc.backward(loss / step_samples)
+                self._backward(loss / step_samples)
                 loss_sum += loss.detach()
                 correct += hits(logits, labels[s:e])
                 del logits, loss
@@ -178,6 +180,15 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)  # the partial gradients go with the graph
             return Status.OOM, (self.zero_loss, self.zero_hits)
         return Status.OK, (loss_sum, correct)
+
+    def _backward(self, loss) -> None:
+        """With gradient checkpointing, backward runs the checkpointed forwards again, and train-mode
+        BatchNorm would update its running statistics a second time (52 of resnet50's 53 layers):
+        the statistics the forward left are put back after it, so they count each batch once."""
+        kept = Buffers(self.model) if self.recomputes else None
+        self.acc.backward(loss)
+        if kept is not None:
+            kept.restore()
 
     def fail_together(self, error: Exception) -> None:
         """A real error on this process: the others still finish the step's collectives and stop."""
@@ -260,7 +271,7 @@ class TrainStep:
                     if e > s:
                         logits = self.model(images[s:e])
                         loss = loss_fn(logits, labels[s:e], self.label_smoothing)
-                        self.acc.backward(loss * scale)
+                        self._backward(loss * scale)
                         loss_sum += loss.detach()
                         correct += hits(logits, labels[s:e])
                     else:
@@ -288,15 +299,11 @@ def _signal(stop_requested) -> int:
     return int(stop_requested()) if stop_requested is not None else 0
 
 
-class _Undo:
-    """What an abandoned attempt must put back: BatchNorm running statistics (a train-mode forward
-    updates them, so a half-done attempt would count its micro-batches twice) and the RNG state (a
-    retry draws the same dropout / drop-path randomness however many attempts it took). One flat
-    copy per dtype: two kernels a step, not hundreds."""
+class Buffers:
+    """A copy of a model's buffers (BatchNorm running statistics), to put back later. One flat copy
+    per dtype: two kernels, not hundreds."""
 
-    def __init__(self, model, device):
-        self.device = device
-        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    def __init__(self, model):
         groups: dict = {}
         for b in (model.buffers() if model is not None else ()):
             groups.setdefault((b.dtype, b.device), []).append(b)
@@ -304,12 +311,26 @@ class _Undo:
 
     @torch.no_grad()
     def restore(self) -> None:
-        torch.set_rng_state(self.rng[0])
-        if self.rng[1] is not None:
-            torch.cuda.set_rng_state(self.rng[1], self.device)
         for bufs, flat in self.groups:
             for b, saved in zip(bufs, flat.split([b.numel() for b in bufs])):
                 b.copy_(saved.view_as(b))
+
+
+class _Undo:
+    """What an abandoned attempt must put back: BatchNorm running statistics (a train-mode forward
+    updates them, so a half-done attempt would count its micro-batches twice) and the RNG state (a
+    retry draws the same dropout / drop-path randomness however many attempts it took)."""
+
+    def __init__(self, model, device):
+        self.device = device
+        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        self.buffers = Buffers(model)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.rng[0])
+        if self.rng[1] is not None:
+            torch.cuda.set_rng_state(self.rng[1], self.device)
+        self.buffers.restore()
 
 
 def _alloc_retries(device) -> int:

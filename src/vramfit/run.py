@@ -46,7 +46,7 @@ def train(cfg: Config) -> dict:
     state = setup.restore_state(cfg, L, point, micro, splits.class_names, model, scheduler, ema)
     step = TrainStep(L.acc, model, optimizer, micro.size, label_smoothing=cfg.train.label_smoothing,
                      clip_grad_norm=cfg.train.clip_grad_norm, check_grad_norm=L.precision != "fp16",
-                     oom_retries=state.oom_retries)
+                     oom_retries=state.oom_retries, recomputes=cfg.model.grad_checkpointing)
     faults = Faults(cfg.debug, L.rank)
     faults.install(model, step)
     eval_batch = cfg.train.eval_batch or max(micro.size, min(micro.per_process_batch, 256))
