@@ -92,3 +92,37 @@ def test_an_output_path_that_is_a_file_is_said_before_anything_loads(tmp_path, c
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Cannot write into --output" in err and "in the way" in err
     assert "Traceback" not in err and "classes" not in err  # stopped before the data was loaded
+
+
+def test_a_full_disk_mid_run_says_so_keeps_the_last_checkpoint_and_resumes(train_cli, tmp_path, monkeypatch,
+                                                                          capsys):
+    import errno
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from vramfit import checkpoint
+    from vramfit.cli import main
+
+    real, calls = Accelerator.save_state, [0]
+
+    def filling_disk(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", filling_disk)
+    args = tiny_args("--set", "checkpoint.every_steps=10")
+    out = tmp_path / "runs"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *args, "--output", str(out), "--run-name", "full"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "the disk is full" in err and "step-10" in err and "Traceback" not in err
+    assert [s for s, _ in checkpoint.list_steps(out / "full" / "checkpoints")] == [10]
+    monkeypatch.setattr(Accelerator, "save_state", real)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    run_dir, code = train_cli(*args, run_name="full", output=out)
+    assert code == 0 and json.loads((run_dir / "summary.json").read_text())["global_step"] == 30
