@@ -126,3 +126,14 @@ def test_a_full_disk_mid_run_says_so_keeps_the_last_checkpoint_and_resumes(train
     PartialState._reset_state()
     run_dir, code = train_cli(*args, run_name="full", output=out)
     assert code == 0 and json.loads((run_dir / "summary.json").read_text())["global_step"] == 30
+
+
+def test_the_data_identity_sees_new_files_under_the_same_path(tmp_path):
+    from vramfit.resume import data_identity
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "1.png").write_bytes(b"x" * 10)
+    first = data_identity(str(tmp_path))
+    assert first == data_identity(str(tmp_path)) and first.startswith("1 files")
+    (tmp_path / "a" / "2.png").write_bytes(b"y" * 10)
+    assert data_identity(str(tmp_path)) != first and data_identity("digits") is None

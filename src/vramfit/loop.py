@@ -276,7 +276,8 @@ def local_buffers(model, ema) -> dict:
 def _say_epoch(epoch: int, epochs: int, res, improved: bool) -> None:
     if res.accuracy is None:
         log.warning("epoch %d/%d: no validation image could be read (%d unreadable): no accuracy, and this "
-                    "epoch is not taken as the best", epoch, epochs, len(res.unreadable))
+                    "epoch is not taken as the best; first files:\n  %s", epoch, epochs, len(res.unreadable),
+                    "\n  ".join(res.unreadable[:10]))
         return
     log.info("epoch %d/%d: val accuracy %.4f (top5 %.4f, %d images), loss %.4f%s", epoch, epochs,
              res.accuracy, res.top5, res.samples, res.loss, " (best)" if improved else "")
