@@ -110,6 +110,13 @@ def parser() -> argparse.ArgumentParser:
     dr.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     dr.add_argument("--json", action="store_true", help="print the report as JSON")
     dr.add_argument("--diff", metavar="RUN_DIR", help="what differs from the machine a run came from")
+
+    lf = sub.add_parser("lr-find", help="LR range test on the recipe's model and data: suggests an LR, plots it")
+    _common(lf)
+    lf.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep at most (default 100)")
+    lf.add_argument("--start-lr", type=float, default=1e-7)
+    lf.add_argument("--end-lr", type=float, default=10.0)
+    lf.add_argument("--plot", default="lr_find.png", help="where the plot goes (PNG, default ./lr_find.png)")
     return ap
 
 
@@ -179,6 +186,11 @@ def run(argv: list[str]) -> int:
         rep = doctor(_config(ns) if ns.recipe or data else None, with_data=bool(data), run_dir=ns.diff,
                      as_json=ns.json)
         return 0 if rep.get("data", {}).get("ok", True) else 1
+    if ns.command == "lr-find":
+        from .lrfind import lr_find
+
+        lr_find(_config(ns), ns.steps, ns.start_lr, ns.end_lr, ns.plot)
+        return 0
     return 2
 
 

@@ -1,0 +1,48 @@
+"""`vramfit lr-find` on the quickstart: a sensible suggestion, a real PNG, the model put back."""
+import io
+
+import torch
+from PIL import Image
+
+from vramfit import lrfind
+from vramfit.cli import parser
+from vramfit.config import build_config
+
+
+def test_lr_find_on_the_quickstart(tmp_path, monkeypatch):
+    """The quickstart's data, model and global batch; 50 steps from 1e-4 to 1 (the default density,
+    12.5 steps a decade), so it diverges and stops before the end. ~8 s on 2 idle cores."""
+    kept = {}
+
+    def setup(cfg, device):
+        model, optimizer, batches = setup_run(cfg, device)
+        kept["model"], kept["before"] = model, {k: v.clone() for k, v in model.state_dict().items()}
+        return model, optimizer, batches
+
+    setup_run = lrfind._setup
+    monkeypatch.setattr(lrfind, "_setup", setup)
+    torch.manual_seed(0)
+    cfg = build_config("quickstart")
+    out = io.StringIO()
+    r = lrfind.lr_find(cfg, num_iter=50, start_lr=1e-4, end_lr=1.0, plot_path=tmp_path / "lr.png", out=out)
+    assert r["recipe_lr"] == 0.002 and r["global_batch"] == 64
+    assert r["recipe_lr"] / 3 <= r["suggested_lr"] <= 3 * r["recipe_lr"], r["suggested_lr"]
+    assert r["stopped_early"] and r["steps"] < 50  # the loss diverged before LR 1
+    after = kept["model"].state_dict()
+    assert all(torch.equal(after[k], v) for k, v in kept["before"].items())  # weights and BN statistics
+    with Image.open(tmp_path / "lr.png") as png:
+        png.verify()
+        assert png.format == "PNG" and png.size[0] > 300
+    assert "suggested LR" in out.getvalue() and "--set optim.lr=" in out.getvalue()
+
+
+def test_suggestion_is_a_tenth_of_the_smoothed_minimum():
+    lrs = [10 ** (-4 + i / 10) for i in range(30)]
+    losses = [2.0 - 0.05 * i if i < 20 else 1.0 + 0.3 * (i - 20) for i in range(30)]  # minimum at i = 20
+    losses[5] = 0.1  # one lucky batch at a low LR is not the minimum
+    assert lrs[12] / 10 <= lrfind.suggest(lrs, losses) <= lrs[21] / 10
+
+
+def test_the_command_line_takes_lr_find():
+    ns = parser().parse_args(["lr-find", "--recipe", "quickstart", "--steps", "30", "--plot", "x.png"])
+    assert (ns.command, ns.steps, ns.plot, ns.start_lr, ns.end_lr) == ("lr-find", 30, "x.png", 1e-7, 10.0)
