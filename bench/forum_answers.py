@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from vramfit.config import Config
 from vramfit.planner import budget_bytes_for, estimate, pick_micro_batch
 
@@ -24,6 +26,32 @@ def cfg(model="resnet50", size=224, ckpt=False, freeze=(), bn="train") -> Config
     return Config.model_validate({
         "model": {"name": model, "grad_checkpointing": ckpt, "freeze": list(freeze), "bn": bn},
         "data": {"image_size": size}, "hardware": {"memory_gib": 12}})
+
+
+def eval_forward_bytes(c: Config, batch: int, grad: bool) -> int:
+    """Peak bytes PyTorch holds during one evaluation forward (weights included), traced on fake
+    tensors as the planner traces a training step. With grad enabled (a validation loop without
+    `torch.no_grad()`), every activation the backward would need stays alive with the logits."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramfit.planner.tracing import PARAM, Recorder, build_fake
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model, _, _ = build_fake(c, 10, fake, on_meta=True)
+    model.eval()
+    rec = Recorder({id(p) for p in model.parameters()})
+    for t in [*model.parameters(), *model.buffers()]:
+        rec.register(t, PARAM)
+    size = c.data.image_size
+    with fake, rec, torch.set_grad_enabled(grad):
+        logits = model(torch.empty(batch, 3, size, size))
+    live = peak = 0
+    for e in rec.events:
+        n = -(-rec.sizes[e if e >= 0 else ~e] // 512) * 512
+        live += n if e >= 0 else -n
+        peak = max(peak, live)
+    del logits
+    return peak
 
 
 def main() -> None:
@@ -58,6 +86,10 @@ def main() -> None:
         pick, table = pick_micro_batch(c, 10, 512, budget, precision=prec)
         peak = next(e.peak_bytes for e in table if e.micro_batch == pick) if pick else None
         print(f"- {name}: {pick}" + (f" ({peak / GiB:.2f} GiB)" if peak else ""))
+    print("\nOne validation forward, ResNet50 fp32 at 224 px, batch 64 (tensors only, weights included):")
+    with_grad, no_grad = (eval_forward_bytes(cfg(), 64, g) for g in (True, False))
+    print(f"- without torch.no_grad(): {with_grad / GiB:.2f} GiB (the graph stays alive with the logits)")
+    print(f"- under torch.no_grad():   {no_grad / GiB:.2f} GiB")
     print(f"\n({time.time() - t0:.0f} s)")
 
 

@@ -71,3 +71,26 @@ def test_an_installed_wheel_trains_the_quickstart_from_another_folder(wheel, tmp
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads((elsewhere / "runs" / "wheel" / "summary.json").read_text())
     assert summary["epochs"] == 1 and summary["global_step"] > 0
+
+
+def test_constraints_pin_every_dependency_within_its_range():
+    """constraints.txt (and environment.yml, which installs with it) pins what pyproject asks for."""
+    import tomllib
+
+    import yaml
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pinned = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pinned[canonicalize_name(name)] = version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for dep in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        req = Requirement(dep)
+        assert canonicalize_name(req.name) in pinned, f"{req.name} is not in constraints.txt"
+        assert req.specifier.contains(pinned[canonicalize_name(req.name)], prereleases=True), dep
+    env = yaml.safe_load((REPO / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert "-c constraints.txt" in pip and any(p.startswith("-e .") for p in pip)
