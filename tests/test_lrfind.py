@@ -11,7 +11,7 @@ from vramfit.config import build_config
 
 def test_lr_find_on_the_quickstart(tmp_path, monkeypatch):
     """The quickstart's data, model and global batch; 50 steps from 1e-4 to 1 (the default density,
-    12.5 steps a decade), so it diverges and stops before the end. ~8 s on 2 idle cores."""
+    12.5 steps a decade), so it diverges and stops before the end."""
     kept = {}
 
     def setup(cfg, device):
@@ -24,7 +24,14 @@ def test_lr_find_on_the_quickstart(tmp_path, monkeypatch):
     torch.manual_seed(0)
     cfg = build_config("quickstart")
     out = io.StringIO()
-    r = lrfind.lr_find(cfg, num_iter=50, start_lr=1e-4, end_lr=1.0, plot_path=tmp_path / "lr.png", out=out)
+    threads = torch.get_num_threads()
+    # One thread: ~12 s on 2 idle cores, and 4x less than two when the cores are shared (two
+    # threads then wait on each other at every op).
+    torch.set_num_threads(1)
+    try:
+        r = lrfind.lr_find(cfg, num_iter=50, start_lr=1e-4, end_lr=1.0, plot_path=tmp_path / "lr.png", out=out)
+    finally:
+        torch.set_num_threads(threads)
     assert r["recipe_lr"] == 0.002 and r["global_batch"] == 64
     assert r["recipe_lr"] / 3 <= r["suggested_lr"] <= 3 * r["recipe_lr"], r["suggested_lr"]
     assert r["stopped_early"] and r["steps"] < 50  # the loss diverged before LR 1
