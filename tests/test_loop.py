@@ -137,3 +137,26 @@ def test_the_data_identity_sees_new_files_under_the_same_path(tmp_path):
     assert first == data_identity(str(tmp_path)) and first.startswith("1 files")
     (tmp_path / "a" / "2.png").write_bytes(b"y" * 10)
     assert data_identity(str(tmp_path)) != first and data_identity("digits") is None
+
+
+def test_a_fixed_micro_batch_that_will_not_fit_is_said_at_start_with_one_that_does(monkeypatch):
+    """On a (stand-in) 12 GB card, resnet50 at 224 and micro-batch 256: the start line says it will
+    not fit and names the planner's fitting value; `auto` says its pick and predicted peak."""
+    from types import SimpleNamespace
+
+    from vramfit import batching, setup
+    from vramfit.config import Config
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=12 * 2**30))
+    cfg = Config.model_validate({"model": {"name": "resnet50"}, "data": {"image_size": 224},
+                                 "train": {"global_batch": 256, "micro_batch": 256, "precision": "bf16"}})
+    L = SimpleNamespace(device_type="cuda", acc=SimpleNamespace(device="cuda:0"), precision="bf16", world=1)
+    mb = batching.resolve_micro_batch(256, 256)
+    plan = {"predicted_peak_bytes": 40 * 2**30}
+    (note,) = setup.fit_notes(cfg, L, 10, mb, plan)
+    assert "micro-batch 256 is predicted to need 40.00 GiB" in note and "--micro-batch " in note
+    fits = int(note.split("--micro-batch ")[1].split()[0])
+    assert 16 <= fits < 256
+    auto = batching.resolve_micro_batch("auto", 256, pick=lambda share: fits)
+    (said,) = setup.fit_notes(cfg, L, 10, auto, {"predicted_peak_bytes": 9 * 2**30})
+    assert f"micro-batch {fits} picked for this card: predicted peak 9.00 GiB" in said

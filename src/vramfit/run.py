@@ -56,7 +56,7 @@ def train(cfg: Config) -> dict:
     # ---------------------------------------------------------------- run folder
     setup.write_run_folder(cfg, L, run_dir, run_name, plan, state)
     runlog = RunLog(L.acc, run_dir, use_trackers=bool(tracker_names(cfg.tracking.tracker)))
-    summary.say_start(cfg, L, run_name, splits, micro, steps_per_epoch, loaders.workers, resume_notes, point)
+    summary.say_start(cfg, L, run_name, splits, micro, plan, steps_per_epoch, loaders.workers, resume_notes, point)
 
     # ---------------------------------------------------------------- loop
     flag = SignalFlag().install()

@@ -115,10 +115,10 @@ def prepare_training(cfg: Config, L, model, steps_per_epoch: int):
 
     from .optim import create_optimizer, create_scheduler
 
-    optimizer = create_optimizer(model, cfg.optim)
+    optimizer = create_optimizer(model, cfg.optim, cfg.train.global_batch)  # LR scaled to the batch
     # The scheduler is neither prepared (Accelerate would step it once per process) nor saved: the
     # LR is a pure function of the global step, restored by `step_update` on resume.
-    scheduler = create_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs)
+    scheduler = create_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs, cfg.train.global_batch)
     if L.acc.distributed_type == DistributedType.FSDP:
         model, optimizer = L.acc.prepare(model, optimizer)
     else:
@@ -135,7 +135,8 @@ def prepare_training(cfg: Config, L, model, steps_per_epoch: int):
 
 def choose_micro_batch(cfg: Config, L, num_classes: int, model, point) -> tuple[batching.MicroBatch, dict]:
     """The one micro-batch rule (batching.resolve_micro_batch): configured, whole share, `auto`
-    (planner, then a probe on the device), or where an interrupted run had come down to."""
+    (planner, then a probe on the device), or where an interrupted run had come down to. Returns
+    it with the plan (plan.json) and the lines to say at start about it."""
     per_proc = batching.per_process_batch(cfg.train.global_batch, L.world)
     probe: dict = {}
     pick = None
@@ -148,7 +149,33 @@ def choose_micro_batch(cfg: Config, L, num_classes: int, model, point) -> tuple[
     plan = {"requested_micro_batch": cfg.train.micro_batch, **mb.as_dict(), **probe,
             "num_processes": L.world, "precision": L.precision}
     plan.update(_predict(cfg, num_classes, mb, L))
+    plan["notes"] = fit_notes(cfg, L, num_classes, mb, plan)
     return mb, plan
+
+
+def fit_notes(cfg: Config, L, num_classes: int, mb: batching.MicroBatch, plan: dict) -> list[str]:
+    """Said at start: the LR scaling, the auto pick and its predicted peak, and a fixed micro-batch
+    the planner predicts will not fit the card (with the one that does)."""
+    from .optim import scaled_lr
+    from .planner import budget_bytes_for, pick_micro_batch
+
+    notes = [n for n in (scaled_lr(cfg.optim, cfg.train.global_batch)[1], mb.note) if n]
+    peak = plan.get("predicted_peak_bytes")
+    if L.device_type != "cuda" or peak is None:  # without a card there is nothing to fit
+        return notes
+    budget = budget_bytes_for(cfg, total_bytes=torch.cuda.get_device_properties(L.acc.device).total_memory)
+    if mb.source == "auto":
+        notes.append(f"micro-batch {mb.size} picked for this card: predicted peak {peak / 2**30:.2f} GiB of "
+                     f"{budget / 2**30:.2f} GiB")
+    elif peak > budget:
+        fits, _ = pick_micro_batch(cfg, num_classes, mb.per_process_batch, budget, precision=L.precision,
+                                   num_processes=L.world)
+        notes.append(f"micro-batch {mb.size} is predicted to need {peak / 2**30:.2f} GiB, more than the "
+                     f"{budget / 2**30:.2f} GiB this card allows: "
+                     + (f"--micro-batch {fits} fits (or micro_batch: auto)" if fits else
+                        "not even micro-batch 1 fits; see `vramfit plan`")
+                     + "; out-of-memory errors will be retried smaller")
+    return notes
 
 
 def _auto_probe(cfg: Config, num_classes: int, per_proc: int, L, model) -> dict:

@@ -37,11 +37,11 @@ def build(run_name: str, cfg, L, state, step_state, plan: dict, clock, class_nam
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
 
 
-def say_start(cfg, L, run_name: str, splits, micro, steps_per_epoch: int, workers: int,
+def say_start(cfg, L, run_name: str, splits, micro, plan: dict, steps_per_epoch: int, workers: int,
               resume_notes: list[str], point) -> None:
     if not L.main:
         return
-    notes = [*splits.notes, *L.notes, *resume_notes, *([micro.note] if micro.note else [])]
+    notes = [*splits.notes, *L.notes, *resume_notes, *plan.get("notes", [])]
     log.info("vramfit: %s | %s | %d classes, %d train / %d val images%s", run_name, splits.description,
              len(splits.class_names), len(splits.train), len(splits.val), "".join(f"\n  note: {n}" for n in notes))
     precision = "fp32" if L.precision == "no" else L.precision
