@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The throughput check for a machine with a CUDA GPU (about 3 minutes on one H200).
+#
+#   OUT=results bash bench/gpu_check.sh
+#
+# bench/throughput.py for resnet50 and efficientnet_b0 at 224 px, fp32 and bf16, channels_last:
+# the vramfit step against a plain Accelerate + timm loop in the same process. Targets: every
+# ratio >= 0.98x; ResNet50 bf16 >= 3,000 images/s on one H200 (NVIDIA's reference code measures
+# ~3,079 there). Writes into $OUT (default bench-out/): env.txt, throughput.txt (the table
+# docs/benchmarks.md records), throughput.json, throughput.log (the runs' own log lines).
+# Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+PY=python3
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+
+{
+  date -u
+  git rev-parse HEAD 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  $PY -c "import torch, timm, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'cudnn', torch.backends.cudnn.version(), '| timm', timm.__version__, '| accelerate', accelerate.__version__)"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+$PY bench/throughput.py --models resnet50,efficientnet_b0 --image-size 224 --precision fp32,bf16 \
+  --channels-last --json "$OUT/throughput.json" 2>"$OUT/throughput.log" | tee "$OUT/throughput.txt"
+status=${PIPESTATUS[0]}
+
+# The absolute target holds for one H200 only; other cards print their figure for the record.
+$PY - "$OUT/throughput.json" <<'EOF' | tee -a "$OUT/throughput.txt"
+import json, sys
+results = json.load(open(sys.argv[1]))["results"]
+for r in results:
+    if r["model"] == "resnet50" and r["precision"] == "bf16":
+        target = 3000 if "H200" in r["device"] else None
+        verdict = "" if target is None else (" ok" if r["vramfit"] >= target else " MISSED")
+        print(f"resnet50 bf16 channels_last on {r['device']}: {r['vramfit']:.0f} images/s"
+              + (f" (target >= {target} on one H200){verdict}" if target else ""))
+EOF
+exit "$status"
