@@ -109,6 +109,9 @@ class TrainConfig(Section):
     # CUDA: let cuDNN time its convolution algorithms for each input shape and keep the fastest
     # (input shapes are fixed here, so it pays off after the first step; as timm's train.py does).
     cudnn_benchmark: bool = True
+    # torch.compile the model once the micro-batch is settled (its first steps then pay the
+    # compilation: worth it on long GPU runs, rarely on short CPU ones).
+    compile: bool = False
     # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
     max_consecutive_skipped_steps: int = Field(25, ge=1)
 

@@ -43,6 +43,7 @@ def train(cfg: Config) -> dict:
     model, data_cfg = setup.build_model(cfg, L, num_classes)
     model, optimizer, scheduler, ema = setup.prepare_training(cfg, L, model, steps_per_epoch)
     micro, plan = setup.choose_micro_batch(cfg, L, num_classes, model, point)
+    model = setup.compile_model(cfg, L, model)
     state = setup.restore_state(cfg, L, point, micro, splits.class_names, model, scheduler, ema)
     step = TrainStep(L.acc, model, optimizer, micro.size, label_smoothing=cfg.train.label_smoothing,
                      clip_grad_norm=cfg.train.clip_grad_norm, check_grad_norm=L.precision != "fp16",

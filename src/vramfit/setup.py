@@ -178,6 +178,18 @@ def fit_notes(cfg: Config, L, num_classes: int, mb: batching.MicroBatch, plan: d
     return notes
 
 
+def compile_model(cfg: Config, L, model):
+    """`train.compile`: torch.compile the model in place (`nn.Module.compile`), after the micro-batch
+    is settled, so the memory probe runs eagerly and the first compiled shapes are the run's own.
+    In place rather than a wrapper: parameter and state-dict names, checkpoints and the EMA copy
+    stay as they are. A smaller micro-batch after an out-of-memory retry, a short last batch and
+    evaluation each compile once more."""
+    if cfg.train.compile:
+        model.compile()
+        L.notes.append("torch.compile: on (the first steps and the first evaluation include compiling)")
+    return model
+
+
 def _auto_probe(cfg: Config, num_classes: int, per_proc: int, L, model) -> dict:
     from .collectives import world_size
     from .memory import auto_micro_batch
