@@ -71,9 +71,15 @@ def test_two_processes_equal_one_process_and_accumulation(folder, tmp_path):
     assert s_two["final_accuracy"] == pytest.approx(s_one["final_accuracy"], abs=1 / 99 + 1e-9)
 
 
-def test_oom_on_one_rank_recovers_on_all(folder, tmp_path):
+@pytest.fixture(scope="module")
+def micro_4(folder, tmp_path_factory):
+    """2 processes at micro-batch 4: what the out-of-memory runs below must end as."""
+    return _run(folder, tmp_path_factory.mktemp("ref"), "ref", 2, "--micro-batch", "4")
+
+
+def test_oom_on_one_rank_recovers_on_all(folder, tmp_path, micro_4):
     """Only rank 1 'runs out of memory' above 4 samples: both ranks agree, split to 4, same weights."""
-    ref = _run(folder, tmp_path, "ref", 2, "--micro-batch", "4")
+    ref = micro_4
     got = _run(folder, tmp_path, "oom", 2, "--set", "debug.simulate_oom_above=4", "--set", "debug.fault_rank=1")
     s = json.loads((got / "summary.json").read_text())
     assert s["micro_batch"] == 4 and s["oom_retries"] == 1
@@ -108,10 +114,10 @@ def test_oom_in_the_middle_of_backward_on_one_rank(tmp_path):
     _assert_equals_one_process(r0["weights"])
 
 
-def test_second_oom_inside_the_recovery_does_not_hang(folder, tmp_path):
+def test_second_oom_inside_the_recovery_does_not_hang(folder, tmp_path, micro_4):
     """Process 1 runs out of memory in a forward and once more while the failed step's gradient
     sums go out: nobody waits in a collective, both retry, and the run ends (well within 60 s)."""
-    ref = _run(folder, tmp_path, "ref", 2, "--micro-batch", "4")
+    ref = micro_4
     got = _run(folder, tmp_path, "twice", 2, "--set", "debug.simulate_oom_above=4", "--set", "debug.fault_rank=1",
                "--set", "debug.simulate_oom_in_recovery=true", timeout=60)
     s = json.loads((got / "summary.json").read_text())
