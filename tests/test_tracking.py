@@ -1,6 +1,6 @@
-"""What a run records in its trackers: an offline W&B run of the quickstart (config with plan and
-environment, per-step metrics, the per-eval table, confusion matrix and misclassified images, the
-summary) that a resumed run appends to; TensorBoard next to it; the sweep file."""
+"""What a run records in its trackers: an offline W&B run of a real (tiny) training run (config with
+plan and environment, per-step metrics, the per-eval table, confusion matrix and misclassified
+images, the summary) that its resumed run appends to; TensorBoard next to it; the sweep file."""
 import json
 import os
 import stat
@@ -17,8 +17,6 @@ from _trained_runs import reset_accelerate
 from conftest import REPO
 
 CLASSES = [str(i) for i in range(10)]
-ENV = {"device": "cpu", "device_names": ["cpu"], "num_processes": 1, "torch": torch.__version__}
-PLAN = {"micro_batch": 64, "estimate": {"peak_bytes": 713031680}}
 
 
 def wandb_records(path: Path):
@@ -59,88 +57,74 @@ def _history(recs) -> list[dict]:
             for h in recs.get("history", [])]
 
 
-def _segment(cfg, run_dir, run_id, steps, evaluate_at=None):
-    """What one process of the run loop does with the trackers, from start to end_training."""
-    from accelerate import Accelerator
-
-    from vramfit import tracking
+def _train(out, *extra):
+    """A real tiny run through the run loop, with W&B (offline) and TensorBoard on."""
+    from conftest import tiny_args
+    from vramfit.cli import run
 
     reset_accelerate()
-    acc = Accelerator(cpu=True, log_with=tracking.log_with(cfg))
-    tracking.start_trackers(acc, cfg, run_dir, run_dir.name, run_id=run_id, env=ENV, plan=PLAN)
-    log = tracking.RunLog(acc, run_dir, use_trackers=True)
-    for step in steps:
-        log.log({"kind": "train", "epoch": 0, "loss": 2.0 / step, "lr": 1e-3}, step)
-    if evaluate_at:
-        g = torch.Generator().manual_seed(0)
-        labels = torch.arange(60) % 10
-        logits = torch.randn(60, 10, generator=g) + 3 * torch.nn.functional.one_hot(labels, 10)
-        log.log({"kind": "eval", "epoch": 1, "val_accuracy": 0.8}, evaluate_at)
-        report = tracking.log_evaluation(acc, logits, labels, CLASSES, evaluate_at, indices=torch.arange(60) + 100,
-                                         load_image=lambda i: Image.new("L", (8, 8), int(i)))
-        log.summary({"best_accuracy": report["top1"], "global_step": evaluate_at, "precision": "no"})
-    acc.end_training()
-    # wandb's service process writes the run file after `finish` returns; a process exit waits for
-    # it, and so does teardown (the test reads the file next).
+    try:
+        code = run(["train", *tiny_args("--tracker", "wandb,tensorboard", *extra), "--output", str(out),
+                    "--run-name", "tracked"])
+    except SystemExit as e:
+        code = e.code
     import wandb
 
-    wandb.teardown()
-    return acc
+    wandb.teardown()  # wandb's service writes the run file after `finish`; the tests read it next
+    reset_accelerate()
+    return code
 
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory):
-    from vramfit import tracking
-    from vramfit.config import build_config
-
+    """Interrupted after step 10 (a SIGTERM as the loop sees it), then resumed to the end of the
+    epoch (30 steps, evaluated at step 30): two W&B segments of one run."""
     out = tmp_path_factory.mktemp("tracked")
-    cfg = build_config("quickstart", [], {"output": str(out), "tracking.tracker": "wandb,tensorboard"})
-    run_dir = out / cfg.resolved_run_name()
-    run_id = tracking.wandb_run_id(None)
-    _segment(cfg, run_dir, run_id, steps=[1, 10, 20], evaluate_at=23)
+    assert _train(out, "--set", "debug.signal_at_step=10") == 143
+    run_dir = out / "tracked"
     (first,) = (run_dir / "wandb").glob("offline-run-*")
-    return cfg, run_dir, run_id, first
+    assert _train(out) == 0
+    (second,) = [p for p in (run_dir / "wandb").glob("offline-run-*") if p != first]
+    run_id = first.name.rsplit("-", 1)[-1]
+    return run_dir, run_id, first, second
 
 
 def test_offline_wandb_run_holds_config_metrics_eval_views_and_summary(tracked):
-    cfg, run_dir, run_id, first = tracked
+    run_dir, run_id, first, second = tracked
     recs = _records_by_type(first / f"run-{run_id}.wandb")
     (run,) = recs["run"]
     assert run.run_id == run_id and run.display_name == run_dir.name
     assert run.run_group == "digits"  # grouped by dataset
-    assert {"recipe:quickstart", "model:resnet18", "device:cpu"} <= set(run.tags)
+    assert {"model:test_resnet", "device:cpu"} <= set(run.tags)
     config = {u.key: json.loads(u.value_json) for c in recs["config"] for u in c.update}
-    assert config["model"]["name"] == "resnet18" and config["train"]["global_batch"] == 64
-    assert config["plan"] == PLAN and config["env"]["torch"] == torch.__version__
+    assert config["model"]["name"] == "test_resnet" and config["train"]["global_batch"] == 16
+    assert config["plan"]["micro_batch"] == 16 and config["env"]["torch"] == torch.__version__
+    assert sorted(h["_step"] for h in _history(recs) if "loss" in h) == [1, 10]
+    recs = _records_by_type(second / f"run-{run_id}.wandb")
     history = _history(recs)
-    losses = {h["_step"]: h["loss"] for h in history if "loss" in h}
-    assert losses == {1: 2.0, 10: 0.2, 20: 0.1}
-    at_eval = {k for h in history if h.get("_step") == 23 for k in h}
+    assert sorted(h["_step"] for h in history if "loss" in h) == [20, 30]
+    at_eval = {k for h in history if h.get("_step") == 30 for k in h}
     assert {"val_accuracy", "val/mean_class_accuracy"} <= at_eval
     assert any(k.startswith("val/per_class_accuracy") for k in at_eval)
     assert any(k.startswith("val/confusion_matrix") for k in at_eval)
     assert any(k.startswith("val/misclassified") for k in at_eval)
-    (table,) = (first / "files" / "media" / "table" / "val").glob("per_class_accuracy_23_*.table.json")
+    (table,) = (second / "files" / "media" / "table" / "val").glob("per_class_accuracy_30_*.table.json")
     rows = json.loads(table.read_text())
     assert rows["columns"] == ["class", "accuracy", "samples"] and [r[0] for r in rows["data"]] == CLASSES
-    assert list((first / "files" / "media" / "images" / "val").glob("misclassified_23_*.png"))
+    assert list((second / "files" / "media" / "images" / "val").glob("misclassified_30_*.png"))
     summary = {"/".join(u.nested_key) or u.key: json.loads(u.value_json) for s in recs["summary"] for u in s.update}
-    assert 0 < summary["best_accuracy"] <= 1 and summary["global_step"] == 23
+    best = json.loads((run_dir / "summary.json").read_text())["best_accuracy"]
+    assert summary["best_accuracy"] == pytest.approx(best) and summary["global_step"] == 30
 
 
 def test_resumed_run_appends_to_the_same_wandb_run(tracked):
-    from vramfit import tracking
+    """The W&B run id is kept in the checkpoint: the resumed segment is the same W&B run."""
+    from vramfit import checkpoint
 
-    cfg, run_dir, run_id, first = tracked
-    state = {"global_step": 23, "wandb_run_id": run_id}  # as the checkpoint keeps it
-    assert tracking.wandb_run_id(state) == run_id
-    _segment(cfg, run_dir, tracking.wandb_run_id(state), steps=[30])
-    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(p.name.endswith(run_id) for p in runs)
-    (second,) = [p for p in runs if p != first]
-    recs = _records_by_type(second / f"run-{run_id}.wandb")
-    assert recs["run"][0].run_id == run_id
-    assert [h["_step"] for h in _history(recs) if "loss" in h] == [30]
+    run_dir, run_id, first, second = tracked
+    assert first.name.endswith(run_id) and second.name.endswith(run_id)
+    assert _records_by_type(second / f"run-{run_id}.wandb")["run"][0].run_id == run_id
+    assert checkpoint.read_state(checkpoint.latest(run_dir / "checkpoints"))["wandb_run_id"] == run_id
     times = [json.loads(line)["time"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert times == sorted(times)  # the resumed clock continues the file's
 
@@ -148,7 +132,7 @@ def test_resumed_run_appends_to_the_same_wandb_run(tracked):
 def test_tensorboard_is_a_second_tracker(tracked):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _, run_dir, _, _ = tracked
+    run_dir = tracked[0]
     tb = run_dir / "tensorboard"
     tags = {"scalars": set(), "images": set()}
     for events in tb.glob("events.out.tfevents.*"):
