@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from PIL import Image
 
 from _trained_runs import reset_accelerate
 from conftest import REPO
