@@ -6,15 +6,19 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 log = logging.getLogger("vramfit")
 
 
 @dataclass
 class Launch:
-    acc: "accelerate.Accelerator"  # noqa: F821
+    acc: Accelerator
     device_type: str  # cuda | cpu
     precision: str  # what Accelerate runs: no | fp16 | bf16
     world: int

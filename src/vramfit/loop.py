@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -22,6 +23,17 @@ from .collectives import agree_max, agreed, average_batchnorm, full_state_dict, 
 from .engine import MicroBatchExhausted, NonFiniteLoss, StepInterrupted, oom_message
 from .errors import VramfitError
 from .validation import evaluate
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .data import Loaders, Splits
+    from .engine import TrainStep
+    from .faults import Faults
+    from .launch import Launch
+    from .signals import SignalFlag
+    from .state import TrainerState
+    from .tracking import RunLog
+    from .validation import EvalState
 
 log = logging.getLogger("vramfit")
 
@@ -42,24 +54,24 @@ class Clock:
 
 @dataclass
 class Trainer:
-    cfg: "Config"  # noqa: F821
-    L: "Launch"  # noqa: F821
+    cfg: Config
+    L: Launch
     run_dir: Path
     model: torch.nn.Module
-    optimizer: "torch.optim.Optimizer"
-    scheduler: object
-    ema: object
-    step: "TrainStep"  # noqa: F821
-    eval_state: "EvalState"  # noqa: F821
-    loaders: "Loaders"  # noqa: F821
-    augment: object
-    faults: "Faults"  # noqa: F821
-    state: "TrainerState"  # noqa: F821
-    splits: "Splits"  # noqa: F821
+    optimizer: torch.optim.Optimizer
+    scheduler: object  # timm CosineLRScheduler, stepped per optimizer step
+    ema: object  # timm ModelEmaV3 or None
+    step: TrainStep
+    eval_state: EvalState
+    loaders: Loaders
+    augment: object  # augment.DeviceAugment
+    faults: Faults
+    state: TrainerState
+    splits: Splits
     data_cfg: dict
-    runlog: "RunLog"  # noqa: F821
-    flag: "SignalFlag"  # noqa: F821
-    plan_text: callable
+    runlog: RunLog
+    flag: SignalFlag
+    plan_text: Callable[[], str | None]
     clock: Clock = field(default_factory=Clock)
     consecutive_skips: int = 0
 

@@ -138,12 +138,9 @@ def choose_micro_batch(cfg: Config, L, num_classes: int, model, point) -> tuple[
     (planner, then a probe on the device), or where an interrupted run had come down to. Returns
     it with the plan (plan.json) and the lines to say at start about it."""
     per_proc = batching.per_process_batch(cfg.train.global_batch, L.world)
-    probe: dict = {}
-    pick = None
-    if cfg.train.micro_batch == "auto" and L.device_type == "cuda":
-        def pick(share: int) -> int:
-            probe.update(_auto_probe(cfg, num_classes, share, L, model))
-            return probe["micro_batch"]
+    probe: dict = {}  # what the probe found, for plan.json
+    auto_here = cfg.train.micro_batch == "auto" and L.device_type == "cuda"
+    pick = _probing_pick(cfg, num_classes, L, model, probe) if auto_here else None
     resumed = resume.resumed_micro_batch(point, L.world, cfg.allow_resume_change)
     mb = batching.resolve_micro_batch(cfg.train.micro_batch, per_proc, pick=pick, resumed=resumed)
     plan = {"requested_micro_batch": cfg.train.micro_batch, **mb.as_dict(), **probe,
@@ -188,6 +185,14 @@ def compile_model(cfg: Config, L, model):
         model.compile()
         L.notes.append("torch.compile: on (the first steps and the first evaluation include compiling)")
     return model
+
+
+def _probing_pick(cfg: Config, num_classes: int, L, model, found: dict):
+    """`auto` on a GPU: the planner's pick, confirmed by a probe on the device."""
+    def pick(share: int) -> int:
+        found.update(_auto_probe(cfg, num_classes, share, L, model))
+        return found["micro_batch"]
+    return pick
 
 
 def _auto_probe(cfg: Config, num_classes: int, per_proc: int, L, model) -> dict:
