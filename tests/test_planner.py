@@ -321,10 +321,24 @@ def test_plan_text_without_budget_and_a_micro_batch_that_does_not_divide():
     assert "5 x 5" in res["text"]
 
 
-def test_resnet50_plan_time_and_sanity_anchor():
-    """ResNet50 @ 224 on 2 CPU cores: cold plan with its table and advice well inside 30 s.
+def _resnet50_plan():
+    P.clear_profiles()
+    cfg = cfg_of(model={"name": "resnet50"}, data={"image_size": 224},
+                 train={"global_batch": 256, "micro_batch": 256, "precision": "no"}, hardware={"memory_gib": 12})
+    t0 = time.perf_counter()
+    res = P.run_plan(cfg, 1000, out=io.StringIO())
+    return cfg, res, time.perf_counter() - t0
 
-    Sanity anchor, fp32 AdamW batch 32: the literature's "~10-11 GB of activations + state" is not
+
+@pytest.mark.slow
+def test_resnet50_plan_time():
+    """ResNet50 @ 224 on 2 CPU cores: cold plan with its table and advice well inside 30 s."""
+    _, _, seconds = _resnet50_plan()
+    assert seconds < 30, f"ResNet50 plan took {seconds:.1f} s"
+
+
+def test_resnet50_plan_sanity_anchor():
+    """Sanity anchor, fp32 AdamW batch 32: the literature's "~10-11 GB of activations + state" is not
     what PyTorch stores. Counted by hand from the layer shapes, ResNet50 saves 21.5 M values per
     224 px image (every conv output for its BatchNorm, every ReLU'd BatchNorm output that a conv or
     ReLU reads, the block outputs, max-pool output + int64 indices, the input): 85.9 MB/image, so
@@ -332,13 +346,7 @@ def test_resnet50_plan_time_and_sanity_anchor():
     activations, 2.9 GiB allocated, 4.25 GiB on nvidia-smi with the constants); ~10-11 GB is
     what batch ~120 would need.
     """
-    P.clear_profiles()
-    cfg = cfg_of(model={"name": "resnet50"}, data={"image_size": 224},
-                 train={"global_batch": 256, "micro_batch": 256, "precision": "no"}, hardware={"memory_gib": 12})
-    t0 = time.perf_counter()
-    res = P.run_plan(cfg, 1000, out=io.StringIO())
-    seconds = time.perf_counter() - t0
-    assert seconds < 30, f"ResNet50 plan took {seconds:.1f} s"
+    cfg, res, _ = _resnet50_plan()
     # 3 forwards of 86 + 85 + 85 fit where 2 of 128 do not (the largest divisor of 256 was 64).
     assert res["fits"] is False and res["advice"] and res["pick"] == 86 and res["advice"][0]["micro_batch"] == 86
 
