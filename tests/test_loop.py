@@ -35,6 +35,12 @@ def test_a_resume_says_what_its_micro_batch_changed_and_plan_json_follows(train_
     assert "resumed with micro_batch 4 (the checkpoint's run used 8)" in caplog.text
     plan = json.loads((run_dir / "plan.json").read_text())
     assert (plan["micro_batch"], plan["grad_accum_steps"]) == (4, 4)
+    # Throughput and wall time cover both segments of the run, not only the resumed one.
+    from vramfit import checkpoint
+
+    state = checkpoint.read_state(checkpoint.latest(run_dir / "checkpoints"))
+    assert state["train_samples"] == 480 and state["train_seconds"] > 0
+    assert json.loads((run_dir / "summary.json").read_text())["wall_seconds"] >= state["wall_seconds"] > 0
 
 
 def test_a_micro_batch_larger_than_the_global_batch_says_what_is_used(train_cli, caplog):

@@ -40,12 +40,26 @@ log = logging.getLogger("vramfit")
 
 @dataclass
 class Clock:
-    """Training time and images, excluding evaluation and saving (images/s in the summary)."""
+    """Training time and images (excluding evaluation and saving: images/s in the summary) and wall
+    time, over every segment of a run: a resumed run starts from what its checkpoint recorded."""
 
     train_seconds: float = 0.0
     train_samples: int = 0
+    wall_before: float = 0.0  # wall seconds of the segments before this one
     data_wait: float = 0.0
     started: float = field(default_factory=time.time)
+
+    @classmethod
+    def resumed(cls, state: TrainerState) -> "Clock":
+        return cls(state.train_seconds, state.train_samples, state.wall_seconds)
+
+    def record(self, state: TrainerState) -> None:
+        state.train_seconds, state.train_samples = self.train_seconds, self.train_samples
+        state.wall_seconds = self.wall_seconds
+
+    @property
+    def wall_seconds(self) -> float:
+        return self.wall_before + time.time() - self.started
 
     @property
     def images_per_second(self) -> float | None:
@@ -72,8 +86,11 @@ class Trainer:
     runlog: RunLog
     flag: SignalFlag
     plan_text: Callable[[], str | None]
-    clock: Clock = field(default_factory=Clock)
+    clock: Clock = None
     consecutive_skips: int = 0
+
+    def __post_init__(self):
+        self.clock = Clock.resumed(self.state)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -245,6 +262,7 @@ class Trainer:
         statistics (live and EMA; they follow its own batches between evaluations), so a resumed
         run continues exactly where every process was, and saving changes nothing in the run."""
         st = self.state
+        self.clock.record(st)
         keep = (st.best_step,) if st.best_step is not None else ()
         extra = {"ema": self.ema.module.state_dict()} if self.ema is not None else {}
         local = local_buffers(self.model, self.ema) if world_size() > 1 else None

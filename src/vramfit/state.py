@@ -28,6 +28,9 @@ class TrainerState:
     finished: bool = False
     fingerprint: dict = field(default_factory=dict)
     wandb_run_id: str | None = None  # a resumed run appends to the same W&B run
+    train_seconds: float = 0.0  # over every segment of the run, as of the checkpoint
+    train_samples: int = 0
+    wall_seconds: float = 0.0
 
     # What resume must not take from the checkpoint: it belongs to the new launch.
     LAUNCH_FIELDS = ("micro_batch", "world_size")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 import torch
 
@@ -29,7 +28,7 @@ def build(run_name: str, cfg, L, state, step_state, plan: dict, clock, class_nam
         "predicted_peak_memory_bytes": (plan.get("estimate") or {}).get("reserved_bytes"),
         "skipped_samples": state.skipped_samples, "skipped_steps": state.skipped_steps,
         "oom_retries": step_state.oom_retries, "micro_batch_changes": step_state.history,
-        "wall_seconds": time.time() - clock.started, "finished": state.finished,
+        "wall_seconds": clock.wall_seconds, "finished": state.finished,
         "unreadable_files": sorted(state.bad_files),
         "num_classes": len(class_names), "class_names": class_names, "empty_classes": empty_classes,
     }
