@@ -1,0 +1,37 @@
+"""Batches are stacked as NHWC (channels_last strides) for speed; the values, and the memory format
+the model receives after the normalizer, are what they were."""
+
+import numpy as np
+import torch
+import torchvision.transforms.functional as F
+from PIL import Image
+
+from vramfit import data as D
+
+DATA_CFG = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+
+
+def samples():
+    rng = np.random.default_rng(0)
+    images = [F.pil_to_tensor(Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))) for _ in range(3)]
+    images.append(torch.zeros(3, 8, 8, dtype=torch.uint8))  # an unreadable image's placeholder (contiguous CHW)
+    return [D.Sample(im, i, i, 4, "") for i, im in enumerate(images)], images
+
+
+def test_collate_keeps_values_and_gives_channels_last_strides():
+    items, images = samples()
+    batch = D.collate(items, image_size=8)
+    assert batch.images.shape == (4, 3, 8, 8) and batch.images.dtype == torch.uint8
+    assert torch.equal(batch.images, torch.stack(images))
+    assert batch.images.is_contiguous(memory_format=torch.channels_last)
+    assert batch.labels.tolist() == [0, 1, 2, 3] and batch.step_samples == 4
+
+
+def test_normalizer_gives_the_model_its_memory_format():
+    items, images = samples()
+    batch = D.collate(items, image_size=8)
+    for channels_last in (False, True):
+        x = D.normalizer(DATA_CFG, "cpu", channels_last)(batch.images)
+        expected = D.normalizer(DATA_CFG, "cpu", channels_last)(torch.stack(images))
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        assert x.is_contiguous(memory_format=fmt) and torch.equal(x, expected)
