@@ -21,45 +21,54 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def quickstart(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qs")
+# The README's first command, through `accelerate launch`; 2 epochs in the default suite (the
+# run-folder contract, reruns, compare), the whole recipe in the slow ones (accuracy and time).
+QS_SHORT = ("--recipe", "quickstart", "--epochs", "2")
+
+
+def _launch_quickstart(out, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     t0 = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accel_configs" / "cpu.yaml"), str(REPO / "train.py"), "--recipe", "quickstart",
-         "--output", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+         str(REPO / "accel_configs" / "cpu.yaml"), str(REPO / "train.py"), *args,
+         "--output", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     return run_dir, elapsed, proc
 
 
-def test_quickstart_reaches_97_percent(quickstart):
-    run_dir, _, _ = quickstart
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["best_accuracy"] >= 0.97
-    assert SUMMARY_KEYS <= set(summary)
-    assert summary["num_processes"] == 1 and summary["precision"] == "fp32"
-    assert summary["peak_memory_bytes"] is None  # no device peak on CPU
-    assert summary["global_batch"] == summary["micro_batch"] * summary["grad_accum_steps"]
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    return _launch_quickstart(tmp_path_factory.mktemp("qs"), *QS_SHORT)
+
+
+@pytest.fixture(scope="module")
+def quickstart_full(tmp_path_factory):
+    return _launch_quickstart(tmp_path_factory.mktemp("qs_full"), "--recipe", "quickstart")
 
 
 @pytest.mark.slow
-def test_quickstart_within_3_minutes(quickstart):
-    _, elapsed, _ = quickstart
+def test_quickstart_reaches_97_percent_within_3_minutes(quickstart_full):
+    run_dir, elapsed, _ = quickstart_full
+    assert json.loads((run_dir / "summary.json").read_text())["best_accuracy"] >= 0.97
     assert elapsed <= 180, f"quickstart took {elapsed:.0f} s"
 
 
 def test_run_folder_contract(quickstart):
     run_dir, _, proc = quickstart
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary) and summary["best_accuracy"] > 0.5
+    assert summary["num_processes"] == 1 and summary["precision"] == "fp32"
+    assert summary["peak_memory_bytes"] is None  # no device peak on CPU
+    assert summary["global_batch"] == summary["micro_batch"] * summary["grad_accum_steps"]
     for name in ("config.yaml", "env.json", "plan.json", "metrics.jsonl", "summary.json"):
         assert (run_dir / name).is_file(), name
     env = json.loads((run_dir / "env.json").read_text())
     assert {"torch", "timm", "accelerate", "datasets", "git_commit", "device_names"} <= set(env)
     evals = [m for m in _metrics(run_dir) if m["kind"] == "eval"]
-    assert len(evals) == 8 and all(m["val_samples"] == 360 for m in evals)  # exactly the split, every epoch
+    assert len(evals) == 2 and all(m["val_samples"] == 360 for m in evals)  # exactly the split, every epoch
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert 1 <= len(ckpts) <= 3 and all((c / "COMPLETE.json").is_file() for c in ckpts)
     # model/: safetensors + timm config + class names; loads back through timm with the same outputs
@@ -76,7 +85,7 @@ def test_run_folder_contract(quickstart):
 
 def test_rerunning_a_finished_run_exits_at_once(quickstart):
     run_dir, _, _ = quickstart
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--recipe", "quickstart", "--output",
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *QS_SHORT, "--output",
                            str(run_dir.parent)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "already finished" in proc.stderr
     assert "load" not in proc.stderr.lower()  # nothing was loaded or trained
@@ -87,7 +96,7 @@ def test_a_finished_run_with_other_settings_is_not_silently_skipped(quickstart):
     error says what changed and how to start fresh; nothing in the folder changes."""
     run_dir, _, _ = quickstart
     before = (run_dir / "summary.json").read_text()
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--recipe", "quickstart", "--output",
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *QS_SHORT, "--output",
                            str(run_dir.parent), "--lr", "0.5"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
