@@ -35,7 +35,8 @@ def main() -> None:
     from accelerate import Accelerator
 
     from vramfit.config import ModelConfig, OptimConfig
-    from vramfit.engine import StepState, train_step
+    from vramfit.collectives import broadcast_module
+    from vramfit.engine import TrainStep
     from vramfit.models import create_model
     from vramfit.optim import create_optimizer
 
@@ -48,9 +49,18 @@ def main() -> None:
     y = torch.randint(0, 10, (args.batch,), generator=g).to(acc.device)
 
     def setup():
+        """The plain loop: Accelerate's DDP-wrapped model."""
         model = copy.deepcopy(base_model)
         opt = create_optimizer(model, ocfg)
         return acc.prepare(model, opt)
+
+    def setup_ours():
+        """As the trainer builds it: no DDP wrapper, the weights broadcast once."""
+        model = copy.deepcopy(base_model)
+        opt = acc.prepare_optimizer(create_optimizer(model, ocfg))
+        model = acc.prepare_model(model, evaluation_mode=True)
+        broadcast_module(model)
+        return model, opt
 
     def sync():
         if acc.device.type == "cuda":
@@ -69,8 +79,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         float(loss.detach())  # the usual per-step logging sync
 
-    def ours(model, opt, accum, state):
-        train_step(acc, model, opt, x, y, args.batch, state, label_smoothing=0.1, clip_grad_norm=1.0)
+    def ours(step):
+        step(x, y, args.batch * acc.num_processes)
 
     say = print if acc.is_main_process else (lambda *a, **k: None)
     say(f"{args.model} at {args.image_size} px, batch {args.batch}, {acc.device}, "
@@ -80,12 +90,12 @@ def main() -> None:
         if args.batch % accum:
             raise SystemExit(f"--batch {args.batch} is not divisible by accumulation {accum}")
         m1, o1 = setup()
-        m2, o2 = setup()
-        state = StepState(micro_batch=args.batch // accum, per_process_batch=args.batch)
-        plain(m1, o1, accum), ours(m2, o2, accum, state)  # warm-up: allocator, optimizer state
+        m2, o2 = setup_ours()
+        step = TrainStep(acc, m2, o2, args.batch // accum, label_smoothing=0.1, clip_grad_norm=1.0)
+        plain(m1, o1, accum), ours(step)  # warm-up: allocator, optimizer state
         best = {"plain": float("inf"), "ours": float("inf")}
         for _ in range(args.repeats):
-            for name, fn in (("plain", lambda: plain(m1, o1, accum)), ("ours", lambda: ours(m2, o2, accum, state))):
+            for name, fn in (("plain", lambda: plain(m1, o1, accum)), ("ours", lambda: ours(step))):
                 sync()
                 t = time.perf_counter()
                 for _ in range(args.steps):
