@@ -15,7 +15,7 @@ every repeat); images/s is the best block. ratio = vramfit / plain.
 One process per precision (Accelerate fixes the precision once per process); several precisions
 run as child processes of this script.
 
-    python bench/throughput.py                       # GPU: ~3 min on one H200; CPU: ~2 min on 2 cores
+    python bench/throughput.py                       # GPU: ~3 min on one H200; CPU: ~1 min on 2 cores
     python bench/throughput.py --quick               # test_resnet at 32 px, seconds on a CPU
     python bench/throughput.py --models resnet50 --precision bf16 --batch 256 --channels-last
 """
@@ -33,12 +33,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TARGET_RATIO = 0.98
 # Defaults per device: a GPU run of both models and precisions in under 5 minutes; on a CPU a
-# smaller image and batch, so the same comparison takes about two minutes on 2 cores.
+# smaller image and batch, so the same comparison takes about a minute on 2 idle cores.
 DEFAULTS = {
     "cuda": dict(models="resnet50,efficientnet_b0", image_size=224, precision="fp32,bf16", batch=256,
                  steps=30, warmup=10, repeats=3),
     "cpu": dict(models="resnet50,efficientnet_b0", image_size=64, precision="fp32", batch=16,
-                steps=4, warmup=2, repeats=3),
+                steps=8, warmup=2, repeats=5),
     "quick": dict(models="test_resnet", image_size=32, precision="fp32", batch=8, steps=3, warmup=1,
                   repeats=2),
 }
