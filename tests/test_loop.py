@@ -21,7 +21,9 @@ def test_the_logged_lr_is_the_one_the_step_used(train_cli):
     run_dir, code = train_cli(*tiny_args("--set", "train.log_every_steps=1", "--set", "debug.signal_at_step=3",
                                          "--lr", "1e-3"))
     assert code == 143
-    lrs = [r["lr"] for r in _records(run_dir, "train")]
+    rows = _records(run_dir, "train")
+    assert rows[0]["images_per_second"] > 0 and 0 <= rows[0]["data_wait_fraction"] <= 1  # from step 1 on
+    lrs = [r["lr"] for r in rows]
     assert lrs[0] == pytest.approx(1e-5) and lrs[1] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 29)
 
 

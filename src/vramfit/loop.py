@@ -123,8 +123,7 @@ class Trainer:
                     self.step.fail_together(e)
                 t_got = time.time()
                 self.clock.data_wait += t_got - t_wait
-                signum = self.train_one(batch, epoch, t_got, pbar)
-                self.clock.train_seconds += time.time() - t_wait
+                signum = self.train_one(batch, epoch, t_wait, t_got, pbar)
                 if signum:
                     return signum
                 t_wait = time.time()
@@ -132,7 +131,7 @@ class Trainer:
             if pbar is not None:
                 pbar.close()
 
-    def train_one(self, batch, epoch: int, t_got: float, pbar) -> int:
+    def train_one(self, batch, epoch: int, t_wait: float, t_got: float, pbar) -> int:
         st, cfg = self.state, self.cfg
         if st.global_step == 0 or st.step_in_epoch == 0:
             from .data import check_batch_shape
@@ -164,6 +163,7 @@ class Trainer:
         st.oom_retries, st.micro_batch = self.step.state.oom_retries, self.step.state.micro_batch
         self.scheduler.step_update(num_updates=st.global_step)
         self.clock.train_samples += res.samples
+        self.clock.train_seconds += time.time() - t_wait  # data wait and step: before the report reads it
         self.report(res, epoch, lr, time.time() - t_got, pbar)
         self.faults.after_step(self.flag, st.global_step)
         if res.signum:
