@@ -37,6 +37,32 @@ def _micro(v: str):
         raise argparse.ArgumentTypeError(f"--micro-batch takes a whole number or `auto`, not {v!r}")
 
 
+def _add_model_commands(sub) -> None:
+    """The commands that use a trained run's model: eval, predict, export."""
+    ev = sub.add_parser("eval", help="evaluate a run's model: top-1/top-5, per class, confusion matrix")
+    ev.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
+    ev.add_argument("--data", help="another labelled source with the same classes (default: the run's)")
+    ev.add_argument("--split", help="a named split of the source, e.g. test (default: the run's validation split)")
+    ev.add_argument("--batch-size", type=int, default=64)
+
+    pd = sub.add_parser("predict", help="top-k labels of images with a run's model")
+    pd.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
+    pd.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER")
+    pd.add_argument("--top-k", type=int, default=5)
+    pd.add_argument("--batch-size", type=int, default=64)
+    fmt = pd.add_mutually_exclusive_group()
+    fmt.add_argument("--json", dest="fmt", action="store_const", const="json")
+    fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv")
+
+    ex = sub.add_parser("export", help="a run's model as ONNX / TorchScript / safetensors with a model card")
+    ex.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
+    ex.add_argument("--format", action="append", default=[], choices=["onnx", "torchscript", "safetensors"],
+                    help="repeatable")
+    ex.add_argument("--output", help="folder for the files (default: RUN/export)")
+    ex.add_argument("--push-to-hub", metavar="REPO", help="push to the Hugging Face Hub in timm's format (user/name)")
+    ex.add_argument("--private", action="store_true", help="with --push-to-hub: a private repository")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramfit", description="Train image classifiers that fit your GPU.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -73,28 +99,7 @@ def parser() -> argparse.ArgumentParser:
     cm.add_argument("--plot", metavar="PNG", help="write accuracy vs wall time, peak memory and throughput")
     cm.add_argument("--csv", metavar="FILE", help="write the table as CSV (raw numbers)")
 
-    ev = sub.add_parser("eval", help="evaluate a run's model: top-1/top-5, per class, confusion matrix")
-    ev.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
-    ev.add_argument("--data", help="another labelled source with the same classes (default: the run's)")
-    ev.add_argument("--split", help="a named split of the source, e.g. test (default: the run's validation split)")
-    ev.add_argument("--batch-size", type=int, default=64)
-
-    pd = sub.add_parser("predict", help="top-k labels of images with a run's model")
-    pd.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
-    pd.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER")
-    pd.add_argument("--top-k", type=int, default=5)
-    pd.add_argument("--batch-size", type=int, default=64)
-    fmt = pd.add_mutually_exclusive_group()
-    fmt.add_argument("--json", dest="fmt", action="store_const", const="json")
-    fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv")
-
-    ex = sub.add_parser("export", help="a run's model as ONNX / TorchScript / safetensors with a model card")
-    ex.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
-    ex.add_argument("--format", action="append", default=[], choices=["onnx", "torchscript", "safetensors"],
-                    help="repeatable")
-    ex.add_argument("--output", help="folder for the files (default: RUN/export)")
-    ex.add_argument("--push-to-hub", metavar="REPO", help="push to the Hugging Face Hub in timm's format (user/name)")
-    ex.add_argument("--private", action="store_true", help="with --push-to-hub: a private repository")
+    _add_model_commands(sub)
 
     pr = sub.add_parser("prepare", help="pre-resize a dataset once into a compact Arrow dataset")
     pr.add_argument("--data", required=True)
