@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 
 import torch
 import torch.distributed as dist
@@ -283,11 +282,6 @@ def agreed(what: str, device):
         raise error
     if failed:
         raise ProcessFailed(failed, what)
-
-
-def node_rank_offset() -> int:
-    """Global rank of this machine's first process (ranks are contiguous per machine)."""
-    return int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:

@@ -73,10 +73,10 @@ def find(cfg: Config, ckpt_dir: Path) -> ResumePoint | None:
     return ResumePoint(path, checkpoint.read_state(path)) if path else None
 
 
-def check(cfg: Config, point: ResumePoint, world: int) -> list[str]:
+def check(cfg: Config, point: ResumePoint, world: int, new: dict) -> list[str]:
     """Refuse a resume that would change the run's maths (unless allowed); return the notes to
-    print for what changes only its execution."""
-    old, new = point.state.get("fingerprint", {}), fingerprint(cfg)
+    print for what changes only its execution. `new`: this launch's `fingerprint(cfg)`."""
+    old = point.state.get("fingerprint", {})
     diffs = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in MATHS_KEYS if k in old and old[k] != new[k]]
     notes = []
     if diffs and not cfg.allow_resume_change:

@@ -32,7 +32,7 @@ def train(cfg: Config) -> dict:
     # ---------------------------------------------------------------- resume decision
     # The settings are checked against the checkpoint before anything else, even for a run that
     # finished: a changed command never silently does nothing.
-    point, resume_notes = setup.find_resume(cfg, L, run_dir)
+    point, resume_notes, fingerprint = setup.find_resume(cfg, L, run_dir)
     done = setup.finished_summary(cfg, L, point, run_dir)
     if done is not None:
         return done
@@ -44,7 +44,7 @@ def train(cfg: Config) -> dict:
     model, optimizer, scheduler, ema = setup.prepare_training(cfg, L, model, steps_per_epoch)
     micro, plan = setup.choose_micro_batch(cfg, L, num_classes, model, point)
     model = setup.compile_model(cfg, L, model)
-    state = setup.restore_state(cfg, L, point, micro, splits.class_names, model, scheduler, ema)
+    state = setup.restore_state(cfg, L, point, micro, splits.class_names, model, scheduler, ema, fingerprint)
     step = TrainStep(L.acc, model, optimizer, micro.size, label_smoothing=cfg.train.label_smoothing,
                      clip_grad_norm=cfg.train.clip_grad_norm, check_grad_norm=L.precision != "fp16",
                      oom_retries=state.oom_retries, recomputes=cfg.model.grad_checkpointing)

@@ -26,7 +26,9 @@ from .tracking import environment, write_json
 log = logging.getLogger("vramfit")
 
 
-def find_resume(cfg: Config, L, run_dir: Path) -> tuple[resume.ResumePoint | None, list[str]]:
+def find_resume(cfg: Config, L, run_dir: Path) -> tuple[resume.ResumePoint | None, list[str], dict]:
+    """The checkpoint to continue from, the notes to say about it, and this launch's fingerprint
+    (computed once: it lists a local data source's files)."""
     ckpt_dir = run_dir / "checkpoints"
     with agreed("looking for checkpoints", L.acc.device):
         if L.main:
@@ -35,8 +37,9 @@ def find_resume(cfg: Config, L, run_dir: Path) -> tuple[resume.ResumePoint | Non
                 checkpoint.latest(ckpt_dir, cleanup=True)
     with agreed("reading the checkpoint", L.acc.device):
         point = resume.find(cfg, ckpt_dir)
-        notes = resume.check(cfg, point, L.world) if point else []
-    return point, notes
+        fingerprint = resume.fingerprint(cfg)
+        notes = resume.check(cfg, point, L.world, fingerprint) if point else []
+    return point, notes, fingerprint
 
 
 def check_writable(output: Path) -> None:
@@ -225,7 +228,7 @@ def _predict(cfg: Config, num_classes: int, mb: batching.MicroBatch, L) -> dict:
 
 
 def restore_state(cfg: Config, L, point, micro: batching.MicroBatch, class_names: list[str], model,
-                  scheduler, ema):
+                  scheduler, ema, fingerprint: dict):
     """The trainer state: fresh, or the checkpoint's (with weights, optimizer, RNG and EMA)."""
     from accelerate.utils import set_seed
 
@@ -233,7 +236,7 @@ def restore_state(cfg: Config, L, point, micro: batching.MicroBatch, class_names
     from .tracking import wandb_run_id
 
     state = TrainerState(micro_batch=micro.size, class_names=class_names, world_size=L.world,
-                         global_batch=cfg.train.global_batch, fingerprint=resume.fingerprint(cfg),
+                         global_batch=cfg.train.global_batch, fingerprint=fingerprint,
                          wandb_run_id=wandb_run_id(point.state if point else None))
     if point is None:
         set_seed(cfg.train.seed + L.rank)  # per-process streams for dropout / drop-path from here on
