@@ -56,12 +56,19 @@ def _close(a, b, tol=1e-6):
     return max((a[k] - b[k]).abs().max().item() for k in a) <= tol
 
 
-def test_two_processes_equal_one_process_and_accumulation(folder, tmp_path):
+@pytest.fixture(scope="module")
+def micro_4(folder, tmp_path_factory):
+    """2 processes at micro-batch 4 (2 micro-batches each per step): compared with one process
+    below, and what the out-of-memory runs must end as."""
+    return _run(folder, tmp_path_factory.mktemp("ref"), "ref", 2, "--micro-batch", "4")
+
+
+def test_two_processes_equal_one_process_and_accumulation(folder, tmp_path, micro_4):
     one = _run(folder, tmp_path, "one", 1)
-    two = _run(folder, tmp_path, "two", 2)
+    two = micro_4
     acc = _run(folder, tmp_path, "acc", 1, "--micro-batch", "8")
     s_one, s_two, s_acc = (json.loads((d / "summary.json").read_text()) for d in (one, two, acc))
-    assert (s_two["num_processes"], s_two["micro_batch"], s_two["grad_accum_steps"]) == (2, 8, 1)
+    assert (s_two["num_processes"], s_two["micro_batch"], s_two["grad_accum_steps"]) == (2, 4, 2)
     assert (s_acc["micro_batch"], s_acc["grad_accum_steps"]) == (8, 2)
     w1, w2, w3 = _final(one), _final(two), _final(acc)
     assert _close(w1, w2) and _close(w1, w3)
@@ -69,12 +76,6 @@ def test_two_processes_equal_one_process_and_accumulation(folder, tmp_path):
     evals = [json.loads(l) for l in (two / "metrics.jsonl").read_text().splitlines()]
     assert [e["val_samples"] for e in evals if e["kind"] == "eval"] == [99]
     assert s_two["final_accuracy"] == pytest.approx(s_one["final_accuracy"], abs=1 / 99 + 1e-9)
-
-
-@pytest.fixture(scope="module")
-def micro_4(folder, tmp_path_factory):
-    """2 processes at micro-batch 4: what the out-of-memory runs below must end as."""
-    return _run(folder, tmp_path_factory.mktemp("ref"), "ref", 2, "--micro-batch", "4")
 
 
 def test_oom_on_one_rank_recovers_on_all(folder, tmp_path, micro_4):
