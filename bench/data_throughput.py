@@ -1,6 +1,9 @@
 """Images/second of vramfit's training input pipeline against torchvision's ImageFolder.
 
-Ours:     ImageDataset + StepBatchSampler + make_loader, the vramfit train transform, uint8 batches.
+Ours:     ImageDataset + StepBatchSampler + make_loader, the vramfit train transform of a GPU run
+          (crop, flip), uint8 batches; colour jitter and normalisation happen on the device, timed
+          apart (`device stage`, ms per batch on the device this machine has).
+Ours-cj:  the same as a CPU run has it: timm's ColorJitter(0.4) in the workers.
 Baseline: torchvision ImageFolder + RandomResizedCrop(224), RandomHorizontalFlip, ToTensor,
           Normalize, float batches.
 Both read the same files with the same worker count, batch size and DataLoader settings
@@ -9,7 +12,7 @@ Both read the same files with the same worker count, batch size and DataLoader s
 Cases, all generated here (smooth gradients + texture + noise: JPEG sizes like photos'):
   (a) 500x375 JPEGs; (b) 4000x3000 JPEGs (12 Mpx phone photos);
   (c) the (b) files after `vramfit prepare --max-side 320`, against the baseline on (b).
-Targets: (a) >= 1.0x, (b) >= 3x, (c) >= 10x.
+Targets: (a) >= 1.1x, (b) >= 3x, (c) >= 10x.
 
     python bench/data_throughput.py                       # ~2 minutes on 2 CPU cores
     python bench/data_throughput.py --small 2000 --large 300 --workers 8 --epochs 2
@@ -34,7 +37,7 @@ from PIL import Image
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-TARGETS = {"a": 1.0, "b": 3.0, "c": 10.0}
+TARGETS = {"a": 1.1, "b": 3.0, "c": 10.0}
 
 
 def photo_like(w: int, h: int, seed: int, noise: int, quality: int = 90) -> bytes:
@@ -96,19 +99,24 @@ def time_epochs(loader, epochs: int, set_epoch=None, warmup_batches: int = 3) ->
     return n_img / elapsed
 
 
-def ours(source: Path, args, jitter: bool) -> float:
-    import torch
+def _data_cfg(size: int) -> dict:
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    return {"input_size": (3, size, size), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
+            "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
+
+
+def ours(source: Path, args, device_type: str) -> float:
+    """The loader of a run on `device_type`: "cuda" leaves colour jitter to the device, "cpu" has
+    it in the workers (data.loader.color_jitter_on)."""
+    import torch
 
     from vramfit import data as D
     from vramfit.config import DataConfig
 
     cfg = DataConfig(source=str(source), image_size=args.image_size, num_workers=args.workers)
     src = D.load_source(cfg)
-    data_cfg = {"input_size": (3, args.image_size, args.image_size), "interpolation": "bilinear",
-                "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
-    tcfg = cfg if jitter else cfg.model_copy(update={"color_jitter": 0.0})
-    train_tf, _ = D.build_transforms(tcfg, data_cfg)
+    train_tf, _ = D.build_transforms(cfg, _data_cfg(args.image_size), device_type)
     ds = D.ImageDataset(src.train, src.image_column, src.label_column, train_tf, args.image_size, 0, True)
     sampler = D.StepBatchSampler(len(ds), args.batch, 0, 1, seed=0)
     loader = D.make_loader(ds, batch_sampler=sampler, workers=args.workers)
@@ -116,6 +124,30 @@ def ours(source: Path, args, jitter: bool) -> float:
     first = next(iter(loader)).images
     assert first.dtype == torch.uint8 and tuple(first.shape[1:]) == (3, args.image_size, args.image_size)
     return ips
+
+
+def device_stage(args) -> tuple[str, float]:
+    """(device, ms per batch) of what the training process does to a loader batch before the model:
+    move, normalise and colour-jitter it (vramfit.augment, the default 0.4)."""
+    import torch
+
+    from vramfit import data as D
+    from vramfit.augment import ColorJitter
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = _data_cfg(args.image_size)
+    norm, jitter = D.normalizer(cfg, device, channels_last=True), ColorJitter(0.4, cfg["mean"], cfg["std"])
+    x = torch.randint(0, 256, (args.batch, 3, args.image_size, args.image_size), dtype=torch.uint8)
+    gen = torch.Generator(device=device).manual_seed(0)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            jitter.apply(norm(x), *jitter.draw(args.batch, gen))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return device.type, best * 1e3
 
 
 def torchvision_baseline(folder: Path, args) -> float:
@@ -133,7 +165,6 @@ def torchvision_baseline(folder: Path, args) -> float:
 def draft_table(args) -> None:
     """Decode + the vramfit train transform of one 4000x3000 JPEG, one core, per draft target."""
     import torch
-    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
     from vramfit import data as D
     from vramfit.config import DataConfig
@@ -141,9 +172,7 @@ def draft_table(args) -> None:
 
     torch.set_num_threads(1)
     s = args.image_size
-    data_cfg = {"input_size": (3, s, s), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
-                "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
-    train_tf, _ = D.build_transforms(DataConfig(image_size=s), data_cfg)
+    train_tf, _ = D.build_transforms(DataConfig(image_size=s), _data_cfg(s))
     items = [{"bytes": photo_like(4000, 3000, seed, args.noise), "path": None} for seed in range(4)]
     print(f"4000x3000 JPEG, {len(items[0]['bytes']) / 1e6:.1f} MB; decode + train transform at {s} px, one core")
     print(f"{'draft target':<28}{'decoded at':>12}{'ms/image':>10}")
@@ -217,7 +246,7 @@ def main(argv=None) -> int:
             for case, name, ours_src, tv_src in cases:
                 if (tv_src, rep) not in tv_cache:
                     tv_cache[(tv_src, rep)] = torchvision_baseline(tv_src, args)
-                got = (ours(ours_src, args, True), ours(ours_src, args, False), tv_cache[(tv_src, rep)])
+                got = (ours(ours_src, args, "cuda"), ours(ours_src, args, "cpu"), tv_cache[(tv_src, rep)])
                 old = best.get(case, (name, 0.0, 0.0, 0.0))
                 best[case] = (name, *(max(x, y) for x, y in zip(old[1:], got)))
         results = [(case, *best[case]) for case, *_ in cases]
@@ -227,15 +256,19 @@ def main(argv=None) -> int:
 
     print(f"\nimages/s (best of {args.repeats}), {args.workers} workers, batch {args.batch}, "
           f"{args.image_size} px, {args.epochs} timed epoch(s); ratio = ours / torchvision")
-    print(f"{'case':<24}{'ours':>8}{'ours-nj':>9}{'torchvision':>13}{'ratio':>8}{'ratio-nj':>10}{'target':>8}")
+    print(f"{'case':<24}{'ours':>8}{'ours-cj':>9}{'torchvision':>13}{'ratio':>8}{'ratio-cj':>10}{'target':>8}")
     ok = True
-    for case, name, mine, mine_nj, tv in results:
-        r, r_nj = mine / tv, mine_nj / tv
+    for case, name, mine, mine_cj, tv in results:
+        r, r_cj = mine / tv, mine_cj / tv
         ok &= r >= TARGETS[case]
-        print(f"({case}) {name:<20}{mine:>8.1f}{mine_nj:>9.1f}{tv:>13.1f}{r:>7.2f}x{r_nj:>9.2f}x"
+        print(f"({case}) {name:<20}{mine:>8.1f}{mine_cj:>9.1f}{tv:>13.1f}{r:>7.2f}x{r_cj:>9.2f}x"
               f"{TARGETS[case]:>7.1f}x {'ok' if r >= TARGETS[case] else 'MISSED'}")
-    print("ours = vramfit default train transform (RandomResizedCrop, flip, timm ColorJitter 0.4); "
-          "ours-nj = the same without ColorJitter, i.e. the baseline's augmentations")
+    device, ms = device_stage(args)
+    print("ours = vramfit's loader on a GPU run (RandomResizedCrop, flip; colour jitter is on the device); "
+          "ours-cj = a CPU run's, with timm's ColorJitter(0.4) in the workers")
+    print(f"device stage (move, normalise, colour jitter) on {device}: {ms:.2f} ms per batch of "
+          f"{args.batch} ({ms / args.batch * 1e3:.0f} us an image)"
+          + (" -- a CPU run keeps the jitter in the workers (ours-cj)" if device == "cpu" else ""))
     print(f"total {time.time() - t_start:.0f} s")
     return 0 if ok else 1
 

@@ -1,4 +1,5 @@
-"""On-device batch augmentation: normalisation, random erasing, mixup/cutmix; seeded by position."""
+"""On-device batch augmentation: normalisation, colour jitter, random erasing, mixup/cutmix; seeded by
+position."""
 import json
 
 import pytest
@@ -10,6 +11,11 @@ from vramfit.augment import DeviceAugment
 from vramfit.config import DataConfig
 
 DATA_CFG = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+
+
+def device_augment(cfg: DataConfig, num_classes=5, label_smoothing=0.0, seed=0, rank=0, device_type="cuda"):
+    """The run's DeviceAugment; `device_type` is the run's (where `auto` puts the colour jitter)."""
+    return DeviceAugment(cfg, num_classes, label_smoothing, seed, rank, **DATA_CFG, device_type=device_type)
 
 
 def batch(n=6, size=16, seed=0):
@@ -30,7 +36,7 @@ def test_normalizer_matches_the_reference_and_keeps_the_input():
 
 
 def test_no_augmentation_is_the_identity():
-    aug = DeviceAugment(DataConfig(), num_classes=5, label_smoothing=0.1, seed=0, rank=0)
+    aug = device_augment(DataConfig(color_jitter=0.0), label_smoothing=0.1)
     x, y = batch()
     xf = x.float()
     out, t = aug(xf.clone(), y, epoch=0, step=3)
@@ -38,7 +44,7 @@ def test_no_augmentation_is_the_identity():
 
 
 def test_random_erasing_is_seeded_by_position():
-    aug = DeviceAugment(DataConfig(reprob=1.0), num_classes=5, label_smoothing=0.0, seed=1, rank=0)
+    aug = device_augment(DataConfig(reprob=1.0, color_jitter=0.0), seed=1)
     x = torch.zeros(4, 3, 32, 32)
     a, _ = aug(x.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=5)
     b, _ = aug(x.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=5)
@@ -54,10 +60,75 @@ def test_random_erasing_is_seeded_by_position():
     assert torch.equal(torch.rand(3), before)
 
 
+def _torchvision_jitter(pixels, factors, order):
+    """torchvision's own ColorJitter operations, one image at a time, in the drawn order."""
+    import torchvision.transforms.functional as F
+
+    ops = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation)
+    out = []
+    for img, f, o in zip(pixels, factors, order):
+        for k in o.tolist():
+            img = ops[k](img, float(f[k]))
+        out.append(img)
+    return torch.stack(out)
+
+
+def test_color_jitter_is_torchvisions_per_sample():
+    """Each sample gets its own factors and its own order of brightness, contrast and saturation,
+    and the result is torchvision's ColorJitter with those draws (in pixel values, then normalised)."""
+    from vramfit.augment import ColorJitter
+
+    x, _ = batch(n=12, size=20, seed=4)
+    for layout in (True, False):
+        norm = D.normalizer(DATA_CFG, "cpu", channels_last=layout)
+        images = norm(x)
+        jitter = ColorJitter(0.4, **DATA_CFG)
+        factors, order = jitter.draw(12, torch.Generator().manual_seed(0))
+        assert ((0.6 <= factors) & (factors <= 1.4)).all()
+        assert len({tuple(o) for o in order.tolist()}) > 1  # orders differ between samples
+        jitter.apply(images, factors, order)
+        expected = norm((_torchvision_jitter(x.float() / 255, factors, order) * 255))
+        torch.testing.assert_close(images, expected, rtol=0, atol=1e-4)
+        # Factors of 1 change nothing, whatever the order.
+        again = norm(x)
+        jitter.apply(again, torch.ones(12, 3), order)
+        torch.testing.assert_close(again, norm(x), rtol=0, atol=1e-5)
+
+
+def test_color_jitter_is_seeded_by_position_and_placed_where_it_is_cheapest():
+    """On the device it is a pure function of the step and leaves every caller RNG alone; `auto`
+    puts it there on an accelerator and in the loader (timm's own transform) on the CPU; an
+    auto-augment policy turns it off unless it is a '3a' one, as in timm."""
+    import torchvision.transforms as T
+
+    aug = device_augment(DataConfig())  # the default, 0.4
+    images = D.normalizer(DATA_CFG, "cpu", channels_last=False)(batch(n=4)[0])
+    y = torch.zeros(4, dtype=torch.long)
+    torch.manual_seed(3)
+    before = torch.rand(3)
+    torch.manual_seed(3)
+    a, b, c = (aug(images.clone(), y, epoch=0, step=s)[0] for s in (5, 5, 6))
+    assert torch.equal(torch.rand(3), before)
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, images)
+    on = D.color_jitter_on
+    assert (on(DataConfig(), "cuda"), on(DataConfig(), "cpu")) == ("device", "loader")
+    assert on(DataConfig(color_jitter_on="device"), "cpu") == "device"
+    assert on(DataConfig(color_jitter=0.0), "cuda") is None
+    assert on(DataConfig(auto_augment="rand-m9-mstd0.5"), "cuda") is None
+    assert on(DataConfig(auto_augment="3a"), "cuda") == "device"
+    assert device_augment(DataConfig(), device_type="cpu").jitter is None
+    data_cfg = {**DATA_CFG, "input_size": (3, 32, 32)}
+
+    def jitters(device_type):
+        train, _ = D.build_transforms(DataConfig(image_size=32), data_cfg, device_type)
+        return any(isinstance(t, T.ColorJitter) for t in train.transforms)
+
+    assert jitters("cpu") and not jitters("cuda")
+
+
 @pytest.mark.parametrize("n", [6, 5, 1])
 def test_mixup_mixes_pairs_and_targets_sum_to_one(n):
-    cfg = DataConfig(mixup=0.8)
-    aug = DeviceAugment(cfg, num_classes=5, label_smoothing=0.1, seed=0, rank=0)
+    aug = device_augment(DataConfig(mixup=0.8, color_jitter=0.0), label_smoothing=0.1)
     x, y = batch(n)
     xf = x.float()
     out, t = aug(xf.clone(), y, epoch=0, step=1)
@@ -75,7 +146,7 @@ def test_mixup_mixes_pairs_and_targets_sum_to_one(n):
 
 
 def test_cutmix_pastes_a_box_and_is_seeded():
-    aug = DeviceAugment(DataConfig(cutmix=1.0), num_classes=5, label_smoothing=0.0, seed=0, rank=0)
+    aug = device_augment(DataConfig(cutmix=1.0, color_jitter=0.0))
     x = torch.stack([torch.full((3, 16, 16), float(i)) for i in range(4)])
     y = torch.tensor([0, 1, 2, 3])
     a, ta = aug(x.clone(), y, epoch=0, step=2)
@@ -84,7 +155,7 @@ def test_cutmix_pastes_a_box_and_is_seeded():
     pasted = (a[0] == 3.0).float().mean()  # sample 0's partner is sample 3
     assert 0 < float(pasted) < 1
     assert float(ta[0, 3]) == pytest.approx(float(pasted), abs=1e-6)  # lambda corrected to the box
-    r1, _ = DeviceAugment(DataConfig(cutmix=1.0), 5, 0.0, seed=0, rank=1)(x.clone(), y, epoch=0, step=2)
+    r1, _ = device_augment(DataConfig(cutmix=1.0, color_jitter=0.0), rank=1)(x.clone(), y, epoch=0, step=2)
     assert not torch.equal(a, r1)  # ranks draw their own boxes
 
 
@@ -102,12 +173,13 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_training_with_erasing_mixup_and_cutmix_and_exact_resume(train_cli, tmp_path):
+def test_training_with_every_device_augmentation_and_exact_resume(train_cli, tmp_path):
     """The full train path with every device augmentation on; an interrupted and resumed run ends
     with the same weights as an uninterrupted one (augmentation is a function of the position)."""
     from safetensors.torch import load_file
 
     aug = ("--set", "data.reprob=0.5", "--set", "data.mixup=0.8", "--set", "data.cutmix=1.0",
+           "--set", "data.color_jitter_on=device",
            "--set", "data.limit_train_samples=160", "--set", "train.log_every_steps=1")
     full, code = train_cli(*tiny_args(*aug), run_name="full")
     assert code == 0

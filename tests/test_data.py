@@ -569,8 +569,8 @@ def test_batches_of_the_wrong_shape_stop_at_step_1(tmp_path, train_cli, monkeypa
 
     real = loader.build_transforms
 
-    def no_resize(cfg, data_cfg):
-        _, val_tf = real(cfg, data_cfg)
+    def no_resize(cfg, data_cfg, device_type):
+        _, val_tf = real(cfg, data_cfg, device_type)
         return (lambda im: torch.from_numpy(np.array(im)).permute(2, 0, 1)), val_tf
 
     monkeypatch.setattr(loader, "build_transforms", no_resize)

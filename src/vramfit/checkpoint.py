@@ -176,7 +176,7 @@ def load_extra(path: Path, name: str, module: torch.nn.Module) -> None:
     f = Path(path) / f"{name}.safetensors"
     if not f.is_file():
         raise VramfitError(f"Checkpoint {path} has no {name} state ({f.name}), but this run uses it.",
-                           hint=f"resume with the settings the checkpoint was written with")
+                           hint="resume with the settings the checkpoint was written with")
     module.load_state_dict(load_file(f))
 
 

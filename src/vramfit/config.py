@@ -75,7 +75,10 @@ class DataConfig(Section):
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = Field(0.5, ge=0.0, le=1.0)
     auto_augment: str | None = None
-    color_jitter: float = Field(0.4, ge=0.0)  # timm's default; 0: off (saves ~0.5 ms/image on CPU)
+    color_jitter: float = Field(0.4, ge=0.0)  # timm's default; 0: off
+    # Where it runs (data.loader.color_jitter_on): auto = on the device when training on an
+    # accelerator (vramfit.augment, batched), in the loader workers (timm's, PIL) on the CPU.
+    color_jitter_on: Literal["auto", "loader", "device"] = "auto"
     # On-device batch augmentation (vramfit.augment, timm RandomErasing / Mixup): erasing
     # probability per sample; mixup and cutmix Beta alphas (0: off); chance a batch is mixed at all;
     # chance a mixed batch uses cutmix when both are on.

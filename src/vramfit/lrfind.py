@@ -3,8 +3,9 @@
 The sweep itself is torch-lr-finder's (Smith 2015, the fastai procedure): the LR grows exponentially
 from `start_lr` to `end_lr`, one optimizer step per global batch, the sweep stops once the loss
 exceeds 5x its best (divergence), and the model and optimizer are put back as they were. What is
-ours: the batches (the run's own sample order, transforms and micro-batch split, normalised on the
-device), the smoothing, the suggestion, the plot, and what is printed.
+ours: the batches (the run's own sample order, loader transforms and micro-batch split, normalised
+on the device; without the device augmentations of vramfit.augment, which only make the loss
+noisier), the smoothing, the suggestion, the plot, and what is printed.
 
 The suggestion is a tenth of the LR at the smoothed loss's minimum (fastai's "minimum / 10"): the
 minimum sits where the loss is about to diverge, and a tenth of it is where it still falls fast.
@@ -79,7 +80,7 @@ def _setup(cfg: Config, device: torch.device):
     splits = load_splits(cfg.data, cfg.train.seed)
     model = create_model(cfg.model, len(splits.class_names)).to(device)
     data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
-    train_tf, _ = build_transforms(cfg.data, data_cfg)
+    train_tf, _ = build_transforms(cfg.data, data_cfg, device.type)
     ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf, cfg.data.image_size,
                       cfg.train.seed, train=True)
     sampler = StepBatchSampler(len(ds), cfg.train.global_batch, 0, 1, cfg.train.seed)

@@ -52,7 +52,8 @@ def train(cfg: Config) -> dict:
     faults.install(model, step)
     eval_batch = cfg.train.eval_batch or max(micro.size, min(micro.per_process_batch, 256))
     loaders = build_loaders(cfg, splits, data_cfg, L.acc, eval_batch)
-    augment = DeviceAugment(cfg.data, num_classes, cfg.train.label_smoothing, cfg.train.seed, L.rank)
+    augment = DeviceAugment(cfg.data, num_classes, cfg.train.label_smoothing, cfg.train.seed, L.rank,
+                            mean=data_cfg["mean"], std=data_cfg["std"], device_type=L.acc.device.type)
 
     # ---------------------------------------------------------------- run folder
     setup.write_run_folder(cfg, L, run_dir, run_name, plan, state)

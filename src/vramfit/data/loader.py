@@ -39,16 +39,32 @@ REPLACEMENT_TRIES = 64
 STOP_FILES_LISTED = 10
 
 
-def build_transforms(cfg: DataConfig, data_cfg: dict):
+def color_jitter_on(cfg: DataConfig, device_type: str) -> str | None:
+    """Where a run's colour jitter is done: None (off: `color_jitter` 0, or an auto-augment policy
+    other than '3a', as timm decides), "loader" (timm's ColorJitter on PIL images in the workers)
+    or "device" (vramfit.augment, on the batch). `auto`: the device on an accelerator, where it is a
+    few passes over the batch instead of a fifth of a worker's time per image; the loader on the
+    CPU, where the main process is the trainer and PIL's uint8 kernels are the cheaper form
+    (`bench/data_throughput.py` prints both)."""
+    if cfg.color_jitter <= 0 or (cfg.auto_augment and "3a" not in cfg.auto_augment):
+        return None
+    if cfg.color_jitter_on != "auto":
+        return cfg.color_jitter_on
+    return "loader" if device_type == "cpu" else "device"
+
+
+def build_transforms(cfg: DataConfig, data_cfg: dict, device_type: str = "cpu"):
+    """timm's train and eval transforms; `device_type` (the run's) decides where colour jitter is."""
     from timm.data import create_transform
 
     common = dict(input_size=data_cfg["input_size"], interpolation=data_cfg.get("interpolation", "bilinear"),
                   mean=data_cfg["mean"], std=data_cfg["std"], use_prefetcher=True)
-    # Random erasing is not done here (re_prob=0) but on the device, on normalised batches
-    # (vramfit.augment), as timm's own prefetcher does.
+    # Random erasing (and colour jitter when it is on the device) are done on normalised batches
+    # (vramfit.augment), as timm's own prefetcher does for erasing.
+    jitter = cfg.color_jitter if color_jitter_on(cfg, device_type) == "loader" else None
     train = create_transform(is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
                              hflip=cfg.hflip, auto_augment=cfg.auto_augment, re_prob=0.0,
-                             color_jitter=cfg.color_jitter or None, **common)
+                             color_jitter=jitter, **common)
     val = create_transform(is_training=False, crop_pct=data_cfg.get("crop_pct", 0.875), **common)
     return train, val
 
@@ -282,7 +298,7 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
     local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     workers = resolve_workers(cfg.data, device_type, local)
     pin = device_type == "cuda"
-    train_tf, val_tf = build_transforms(cfg.data, data_cfg)
+    train_tf, val_tf = build_transforms(cfg.data, data_cfg, device_type)
     sampler = StepBatchSampler(len(splits.train), cfg.train.global_batch, accelerator.process_index,
                                accelerator.num_processes, cfg.train.seed)
     train_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf,
