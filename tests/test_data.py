@@ -427,6 +427,48 @@ def test_build_loaders_gives_the_run_its_loaders(small_folder):
     assert [len(b.indices) for b in loaders.val] == [3]  # the 3 held-out images, in one eval batch
 
 
+def test_cpu_loader_workers_follow_what_loading_and_computing_cost():
+    """On the CPU a worker takes a core from the model's kernels: it is worth it only when loading
+    is dear next to computing, and the cost model says how many."""
+    from vramfit.data.workers import pick_cpu_workers, predicted_seconds
+
+    assert pick_cpu_workers(0.001, 0.020, cpus=2) == 0  # digits-like: loading is cheap
+    assert pick_cpu_workers(0.020, 0.020, cpus=2) == 0  # overlapped, the model would run on 1 core
+    assert pick_cpu_workers(0.050, 0.020, cpus=2) == 1  # loading dominates: overlap it
+    assert pick_cpu_workers(0.050, 0.020, cpus=16) == 2  # a third would save under 5%
+    assert pick_cpu_workers(1.0, 0.001, cpus=64) == 8  # never more than 8
+    assert pick_cpu_workers(1.0, 0.001, cpus=1) == 0  # no core to spare
+    assert predicted_seconds(0, 0.05, 0.02, 2) == pytest.approx(0.07)
+    assert predicted_seconds(1, 0.05, 0.02, 2) == pytest.approx(0.05)
+
+
+def test_num_workers_auto_is_measured_on_a_cpu_run(small_folder, monkeypatch):
+    """`auto`: a fixed count is kept; an accelerator gets its CPUs less one; a CPU run measures
+    loading (the run's own first samples) against the compute time it is given, and says so."""
+    from accelerate import Accelerator
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    from vramfit.config import build_config
+    from vramfit.data import workers as W
+
+    monkeypatch.setattr(W.os, "sched_getaffinity", lambda _pid: set(range(4)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert W.resolve_workers(DataConfig(num_workers=3), "cpu", 1) == (3, "data.num_workers")
+    assert W.resolve_workers(DataConfig(), "cuda", 1)[0] == 3
+    assert W.resolve_workers(DataConfig(), "cuda", 4)[0] == 0  # 4 processes share the 4 CPUs
+    assert W.resolve_workers(DataConfig(), "cpu", 1)[0] == 0  # nothing measured
+    c = build_config(None, [], {"data.source": str(small_folder), "data.image_size": 32, "train.global_batch": 8})
+    data_cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
+                "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
+    splits = D.load_splits(c.data)
+    rng = torch.get_rng_state()
+    cheap = D.build_loaders(c, splits, data_cfg, Accelerator(cpu=True), eval_batch=5, compute_seconds=10.0)
+    assert torch.equal(torch.get_rng_state(), rng)  # loading the samples left the RNGs alone
+    assert cheap.workers == 0 and cheap.workers_why.startswith("auto, measured: loading ")
+    dear = D.build_loaders(c, splits, data_cfg, Accelerator(cpu=True), eval_batch=5, compute_seconds=1e-6)
+    assert dear.workers == 3 and "computing 0.00 ms a sample on 4 CPUs" in dear.workers_why
+
+
 # ---- end to end: bad files, prepare, scan-data ----------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """End-to-end runs on the built-in digits: the run-folder contract, golden losses, resume, bad input."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -80,6 +81,9 @@ def test_run_folder_contract(quickstart):
     assert torch.equal(model.state_dict()["fc.weight"], sd["fc.weight"])
     assert model.num_classes == 10
     assert "batch: global 64 = micro 64 x accum 1 x 1 process(es)" in proc.stderr
+    # A CPU run measures loading against computing to choose its loader workers, and says so.
+    assert re.search(r"steps/epoch, \d+ loader workers \(auto, measured: loading [\d.]+ ms and computing [\d.]+ ms",
+                     proc.stderr), proc.stderr[-2000:]
 
 
 def test_rerunning_a_finished_run_exits_at_once(quickstart):

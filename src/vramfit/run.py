@@ -43,6 +43,7 @@ def train(cfg: Config) -> dict:
     model, data_cfg = setup.build_model(cfg, L, num_classes)
     model, optimizer, scheduler, ema = setup.prepare_training(cfg, L, model, steps_per_epoch)
     micro, plan = setup.choose_micro_batch(cfg, L, num_classes, model, point)
+    compute_seconds = setup.cpu_seconds_per_sample(cfg, L, model, micro)
     model = setup.compile_model(cfg, L, model)
     state = setup.restore_state(cfg, L, point, micro, splits.class_names, model, scheduler, ema, fingerprint)
     step = TrainStep(L.acc, model, optimizer, micro.size, label_smoothing=cfg.train.label_smoothing,
@@ -51,14 +52,14 @@ def train(cfg: Config) -> dict:
     faults = Faults(cfg.debug, L.rank)
     faults.install(model, step)
     eval_batch = cfg.train.eval_batch or max(micro.size, min(micro.per_process_batch, 256))
-    loaders = build_loaders(cfg, splits, data_cfg, L.acc, eval_batch)
+    loaders = build_loaders(cfg, splits, data_cfg, L.acc, eval_batch, compute_seconds)
     augment = DeviceAugment(cfg.data, num_classes, cfg.train.label_smoothing, cfg.train.seed, L.rank,
                             mean=data_cfg["mean"], std=data_cfg["std"], device_type=L.acc.device.type)
 
     # ---------------------------------------------------------------- run folder
     setup.write_run_folder(cfg, L, run_dir, run_name, plan, state)
     runlog = RunLog(L.acc, run_dir, use_trackers=bool(tracker_names(cfg.tracking.tracker)))
-    summary.say_start(cfg, L, run_name, splits, micro, plan, steps_per_epoch, loaders.workers, resume_notes, point)
+    summary.say_start(cfg, L, run_name, splits, micro, plan, steps_per_epoch, loaders, resume_notes, point)
 
     # ---------------------------------------------------------------- loop
     flag = SignalFlag().install()

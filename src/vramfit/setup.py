@@ -190,6 +190,31 @@ def compile_model(cfg: Config, L, model):
     return model
 
 
+def cpu_seconds_per_sample(cfg: Config, L, model, micro: batching.MicroBatch) -> float | None:
+    """What one training sample costs this CPU run's model, for `data.num_workers: auto` (None
+    where nothing is measured: a fixed worker count, or a GPU). A forward without gradients in eval
+    mode (no BatchNorm statistics move, no random draw) on a seeded batch, timed after one warm-up
+    and counted 3x for forward + backward; before torch.compile, so nothing is compiled for it."""
+    if L.device_type != "cpu" or cfg.data.num_workers != "auto":
+        return None
+    import time
+
+    n, size = max(1, min(micro.size, 16)), cfg.data.image_size
+    x = torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(0))
+    if cfg.model.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(x)
+            t0 = time.perf_counter()
+            model(x)
+            return 3 * (time.perf_counter() - t0) / n
+    finally:
+        model.train(was_training)
+
+
 def _probing_pick(cfg: Config, num_classes: int, L, model, found: dict):
     """`auto` on a GPU: the planner's pick, confirmed by a probe on the device."""
     def pick(share: int) -> int:

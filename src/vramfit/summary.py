@@ -36,7 +36,7 @@ def build(run_name: str, cfg, L, state, step_state, plan: dict, clock, class_nam
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
 
 
-def say_start(cfg, L, run_name: str, splits, micro, plan: dict, steps_per_epoch: int, workers: int,
+def say_start(cfg, L, run_name: str, splits, micro, plan: dict, steps_per_epoch: int, loaders,
               resume_notes: list[str], point) -> None:
     if not L.main:
         return
@@ -45,8 +45,8 @@ def say_start(cfg, L, run_name: str, splits, micro, plan: dict, steps_per_epoch:
              len(splits.class_names), len(splits.train), len(splits.val), "".join(f"\n  note: {n}" for n in notes))
     precision = "fp32" if L.precision == "no" else L.precision
     log.info("batch: global %d = micro %d x accum %d x %d process(es) | precision %s | device %s | "
-             "%d steps/epoch, %d workers", cfg.train.global_batch, micro.size, micro.grad_accum_steps, L.world,
-             precision, L.acc.device, steps_per_epoch, workers)
+             "%d steps/epoch, %d loader workers (%s)", cfg.train.global_batch, micro.size, micro.grad_accum_steps,
+             L.world, precision, L.acc.device, steps_per_epoch, loaders.workers, loaders.workers_why)
     if point:
         log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", point.path,
                  point.state["epoch"], point.state["step_in_epoch"], point.state["global_step"])

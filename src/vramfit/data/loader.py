@@ -9,9 +9,11 @@ run as a traceback): `Batch.bad` (unreadable files, replaced and counted by the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, NamedTuple
@@ -289,15 +291,31 @@ class Loaders:
     sampler: StepBatchSampler
     workers: int  # loader worker processes per loader
     normalize: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
+    workers_why: str = ""  # how `workers` was chosen, for the start line
 
 
-def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval_batch: int) -> Loaders:
-    """The train and validation loaders of a run, for this process of `accelerator`."""
+def seconds_per_sample(ds: ImageDataset, sampler: StepBatchSampler, budget: float = 0.3, most: int = 16) -> float:
+    """What loading one training sample (read, decode, transform) takes in this process: the first
+    samples of the run's order after an untimed first one (its first call sets things up), until
+    `most` samples or `budget` seconds. Leaves no trace: each sample's augmentation is seeded by
+    the sample and the caller's RNGs are restored."""
+    keys = list(itertools.islice((key for share in sampler for key in share), most + 1))
+    ds[keys[0]]
+    t0, n = time.perf_counter(), 0
+    for key in keys[1:]:
+        ds[key]
+        n += 1
+        if time.perf_counter() - t0 > budget:
+            break
+    return (time.perf_counter() - t0) / max(1, n)
+
+
+def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval_batch: int,
+                  compute_seconds: float | None = None) -> Loaders:
+    """The train and validation loaders of a run, for this process of `accelerator`.
+    `compute_seconds` (a CPU run: what one training sample costs the model) lets `num_workers:
+    auto` be measured rather than guessed."""
     device_type = accelerator.device.type
-    # Processes of this machine share its CPUs (torchrun / accelerate launch export the count).
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    workers = resolve_workers(cfg.data, device_type, local)
-    pin = device_type == "cuda"
     train_tf, val_tf = build_transforms(cfg.data, data_cfg, device_type)
     sampler = StepBatchSampler(len(splits.train), cfg.train.global_batch, accelerator.process_index,
                                accelerator.num_processes, cfg.train.seed)
@@ -305,7 +323,12 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
                             cfg.data.image_size, cfg.train.seed, train=True)
     val_ds = ImageDataset(splits.val, splits.image_column, splits.label_column, val_tf,
                           cfg.data.image_size, cfg.train.seed, train=False)
+    measure = None if compute_seconds is None else (lambda: (seconds_per_sample(train_ds, sampler), compute_seconds))
+    # Processes of this machine share its CPUs (torchrun / accelerate launch export the count).
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    workers, why = resolve_workers(cfg.data, device_type, local, measure)
+    pin = device_type == "cuda"
     train = make_loader(train_ds, batch_sampler=sampler, workers=workers, pin=pin)
     val = accelerator.prepare_data_loader(make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))
     return Loaders(train, val, sampler, workers,
-                   normalizer(data_cfg, accelerator.device, cfg.model.channels_last))
+                   normalizer(data_cfg, accelerator.device, cfg.model.channels_last), why)

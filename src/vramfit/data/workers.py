@@ -14,6 +14,7 @@ import multiprocessing
 import multiprocessing.util  # noqa: F401 - registers its exit handler first, so ours runs before it
 import os
 import signal
+from typing import Callable
 
 import torch
 
@@ -22,16 +23,49 @@ from ..config import DataConfig
 _REGISTERED = False
 
 
-def resolve_workers(cfg: DataConfig, device_type: str, local_processes: int) -> int:
-    """Loader workers per process: `data.num_workers`, or for `auto` the CPUs this process may use
-    less one (at most 8), none on a CPU run that has no core to spare."""
+# A worker is added only when the cost model predicts it saves this much of a sample's time: each
+# one is a process with its own memory and start-up, and the model is rough.
+WORKER_GAIN = 0.05
+MOST_WORKERS = 8
+
+
+def predicted_seconds(workers: int, sample_seconds: float, compute_seconds: float, cpus: int) -> float:
+    """Seconds per training sample on `cpus` cores: without workers the process loads and computes
+    in turn; with w workers loading overlaps computing, which keeps the cores the workers leave it
+    (its kernels use every core, so they slow by cpus / (cpus - w))."""
+    if workers == 0:
+        return sample_seconds + compute_seconds
+    return max(compute_seconds * cpus / max(1, cpus - workers), sample_seconds / workers)
+
+
+def pick_cpu_workers(sample_seconds: float, compute_seconds: float, cpus: int) -> int:
+    """Loader workers for a CPU run, from what loading one sample and computing one sample took."""
+    best, best_time = 0, predicted_seconds(0, sample_seconds, compute_seconds, cpus)
+    for w in range(1, min(MOST_WORKERS, cpus - 1) + 1):
+        t = predicted_seconds(w, sample_seconds, compute_seconds, cpus)
+        if t < best_time * (1 - WORKER_GAIN):
+            best, best_time = w, t
+    return best
+
+
+def resolve_workers(cfg: DataConfig, device_type: str, local_processes: int,
+                    measure: Callable[[], tuple[float, float]] | None = None) -> tuple[int, str]:
+    """(loader workers per process, how they were chosen): `data.num_workers`; or for `auto` on an
+    accelerator the CPUs this process may use less one (at most 8); on the CPU, from `measure()`
+    (seconds to load one sample, seconds to compute one) through `pick_cpu_workers`, none when
+    there is no measurement or no core to spare."""
     if cfg.num_workers != "auto":
-        return int(cfg.num_workers)
+        return int(cfg.num_workers), "data.num_workers"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    per_proc = cpus // max(1, local_processes)
-    if device_type == "cpu" and per_proc <= 2:
-        return 0  # compute already uses every core; worker processes would only contend
-    return max(0, min(8, per_proc - 1))
+    per_proc = max(1, cpus // max(1, local_processes))
+    if device_type != "cpu":
+        return max(0, min(MOST_WORKERS, per_proc - 1)), f"auto: {per_proc} CPUs for this process"
+    if per_proc < 2 or measure is None:
+        return 0, f"auto: {per_proc} CPU(s) for this process, all computing"
+    sample_s, compute_s = measure()
+    return pick_cpu_workers(sample_s, compute_s, per_proc), (
+        f"auto, measured: loading {sample_s * 1e3:.2f} ms and computing {compute_s * 1e3:.2f} ms a sample "
+        f"on {per_proc} CPUs")
 
 
 def init_worker(_worker_id: int) -> None:
