@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The throughput check for a machine with a CUDA GPU (about 3 minutes on one H200).
+# The checks for a machine with a CUDA GPU (about 4 minutes on one H200).
 #
 #   OUT=results bash bench/gpu_check.sh
 #
@@ -7,7 +7,9 @@
 # the vramfit step against a plain Accelerate + timm loop in the same process. Targets: every
 # ratio >= 0.98x; ResNet50 bf16 >= 3,000 images/s on one H200 (NVIDIA's reference code measures
 # ~3,079 there). Writes into $OUT (default bench-out/): env.txt, throughput.txt (the table
-# docs/benchmarks.md records), throughput.json, throughput.log (the runs' own log lines).
+# docs/benchmarks.md records), throughput.json, throughput.log (the runs' own log lines); then
+# loader_memory.txt (the device memory a pinned loader with workers takes: docs/faq.md) and
+# data_throughput.txt (the loader against torchvision's, and the device stage's ms per batch).
 # Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +44,6 @@ for r in results:
         print(f"resnet50 bf16 channels_last on {r['device']}: {r['vramfit']:.0f} images/s"
               + (f" (target >= {target} on one H200){verdict}" if target else ""))
 EOF
+$PY bench/loader_memory.py --workers 0 2 2>&1 | tee "$OUT/loader_memory.txt"
+$PY bench/data_throughput.py --cases a --repeats 1 2>&1 | tee "$OUT/data_throughput.txt"
 exit "$status"
