@@ -9,7 +9,8 @@
 # ~3,079 there). Writes into $OUT (default bench-out/): env.txt, throughput.txt (the table
 # docs/benchmarks.md records), throughput.json, throughput.log (the runs' own log lines); then
 # loader_memory.txt (the device memory a pinned loader with workers takes: docs/faq.md) and
-# data_throughput.txt (the loader against torchvision's, and the device stage's ms per batch).
+# data_throughput.txt (the loader against torchvision's, and the device stage's ms per batch);
+# empty_cache.txt (step time and memory with torch.cuda.empty_cache() after every step: docs/faq.md).
 # Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,4 +47,5 @@ for r in results:
 EOF
 $PY bench/loader_memory.py --workers 0 2 2>&1 | tee "$OUT/loader_memory.txt"
 $PY bench/data_throughput.py --cases a --repeats 1 2>&1 | tee "$OUT/data_throughput.txt"
+$PY bench/memory_check.py --empty-cache 2>&1 | tee "$OUT/empty_cache.txt"
 exit "$status"

@@ -4,6 +4,7 @@
     python bench/memory_check.py --quick      # subset (~2 min)
     python bench/memory_check.py --dry-run    # no GPU needed: the planner's predictions only
     python bench/memory_check.py --published  # no GPU needed: picks against published batch sizes
+    python bench/memory_check.py --empty-cache  # what empty_cache() after every step costs (~1 min)
 
 Part 1 (accuracy): ResNet50, EfficientNet-B0, ResNet18 x {fp32, bf16, fp16} x grad checkpointing
 {off, on} x micro-batch {32, 64, 128} at 224 px, AdamW, clip 1.0, label smoothing 0.1 -- the step
@@ -118,8 +119,10 @@ def clean() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def steps(model_name: str, precision: str, ckpt: bool, micro: int, n: int = 3) -> dict:
-    """`n` training steps exactly as planned; returns the peaks of the last one."""
+def steps(model_name: str, precision: str, ckpt: bool, micro: int, n: int = 3, empty_cache: bool = False) -> dict:
+    """`n` training steps exactly as planned; returns the peaks of the last one and the time of a
+    step after the first. `empty_cache`: torch.cuda.empty_cache() after every step (the forum's
+    advice), to see what it costs."""
     from vramfit.models import create_model
     from vramfit.optim import create_optimizer
 
@@ -133,7 +136,11 @@ def steps(model_name: str, precision: str, ckpt: bool, micro: int, n: int = 3) -
     labels = torch.randint(0, CLASSES, (micro,), device=dev)
     lp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(DEVICE) if precision == "fp16" else None
+    t0 = None
     for i in range(n):
+        if i == 1:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
         if i == n - 1:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -156,8 +163,25 @@ def steps(model_name: str, precision: str, ckpt: bool, micro: int, n: int = 3) -
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
+        if empty_cache:
+            torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    return {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
+    return {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
+            "seconds_per_step": (time.perf_counter() - t0) / (n - 1) if t0 is not None else None}
+
+
+def empty_cache_table(n: int = 20) -> str:
+    """Step time and memory with and without torch.cuda.empty_cache() after every step."""
+    lines = ["| model | precision | micro | empty_cache every step | ms / step | max reserved GiB | "
+             "max allocated GiB |", "|---|---|---:|---|---:|---:|---:|"]
+    for model, precision, micro in (("resnet50", "bf16", 64), ("efficientnet_b0", "bf16", 64)):
+        for flag in (False, True):
+            clean()
+            r = steps(model, precision, False, micro, n=n, empty_cache=flag)
+            lines.append(f"| {model} | {precision} | {micro} | {'yes' if flag else 'no'} | "
+                         f"{r['seconds_per_step'] * 1e3:.1f} | {r['max_reserved'] / GiB:.2f} | "
+                         f"{r['max_allocated'] / GiB:.2f} |")
+    return "\n".join(lines)
 
 
 def fits(model: str, precision: str, micro: int) -> bool:
@@ -228,6 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the planner's predictions only (no GPU)")
     ap.add_argument("--published", action="store_true",
                     help="print the planner's picks against published batch sizes (no GPU, ~15 s)")
+    ap.add_argument("--empty-cache", action="store_true",
+                    help="only time steps with and without torch.cuda.empty_cache() after each (~1 min)")
     ap.add_argument("--cap-gib", type=float, default=12.0, help="card size for the pick check (default 12)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="stop starting new work after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -249,6 +275,10 @@ def main(argv=None) -> int:
               "machine with an NVIDIA GPU, or use --dry-run to print the planner's predictions only.",
               file=sys.stderr)
         return 2
+
+    if args.empty_cache:
+        print(empty_cache_table())
+        return 0
 
     # Planner first (CPU): one profile per model/precision/checkpointing serves every micro-batch.
     t = time.perf_counter()
