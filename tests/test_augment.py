@@ -126,6 +126,31 @@ def test_color_jitter_is_seeded_by_position_and_placed_where_it_is_cheapest():
     assert jitters("cpu") and not jitters("cuda")
 
 
+def test_device_augmentation_never_waits_for_the_device(monkeypatch):
+    """Jitter, erasing, mixup and cutmix read nothing back from the batch (counted on a CPU by
+    watching the tensor methods that would wait for a GPU) and make the erasing noise on the
+    batch's device (a patch made on the host is a copy, and a wait, per erased sample)."""
+    import timm.data.random_erasing as RE
+
+    made_on = []
+    real_pixels = RE._get_pixels
+    monkeypatch.setattr(RE, "_get_pixels", lambda *a, **k: (made_on.append(k["device"]), real_pixels(*a, **k))[1])
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, (lambda real, name: lambda self, *a, **k: (
+            reads.append(name), real(self, *a, **k))[1])(real, name))
+    aug = device_augment(DataConfig(reprob=1.0, mixup=0.8, cutmix=1.0))
+    for step in range(4):  # mixup on some steps, cutmix on others
+        aug(torch.randn(8, 3, 16, 16), torch.arange(8) % 5, epoch=0, step=step)
+    assert reads == [] and made_on
+    # On a device that is not the host ("meta" stands in for a GPU here), the noise is made there.
+    made_on.clear()
+    aug = device_augment(DataConfig(reprob=1.0, mixup=0.8, color_jitter=0.0))
+    aug(torch.empty(8, 3, 16, 16, device="meta"), torch.arange(8, device="meta") % 5, epoch=0, step=1)
+    assert made_on and all(torch.device(d).type == "meta" for d in made_on)
+
+
 @pytest.mark.parametrize("n", [6, 5, 1])
 def test_mixup_mixes_pairs_and_targets_sum_to_one(n):
     aug = device_augment(DataConfig(mixup=0.8, color_jitter=0.0), label_smoothing=0.1)

@@ -18,12 +18,14 @@ device, and `DeviceAugment` then applies, to the whole per-process share of one 
 
 Every draw is seeded from (seed, epoch, step, rank), so the augmentation of a step is a pure
 function of where it is in the run: a resumed run repeats it exactly, and retries do not shift it.
-The erasing noise is drawn on the CPU generator (small patches, copied to the device) for the same
-reason: seeding CUDA's generator per step would also reset the stream dropout draws from. The
-jitter draws on a generator of its own, on the batch's device.
+The erasing noise is drawn on the batch's device, from its default generator seeded for the step
+and put back after (`seeded_device_rng`: dropout's stream is untouched, and on CUDA the state is
+host-side, so nothing waits for the device); the jitter draws on a generator of its own there.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -72,6 +74,20 @@ class ColorJitter:
         images.sub_(mean).div_(std)
 
 
+@contextlib.contextmanager
+def seeded_device_rng(device: torch.device, seed: int):
+    """The default generator of an accelerator `device` seeded with `seed` for the block, its state
+    put back after. A CUDA generator's state is a seed and an offset held on the host: neither
+    reading, seeding nor restoring it waits for the device. On the CPU, SeededRNG does this."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.random.fork_rng(devices=[device], device_type="cuda"):
+        torch.cuda.default_generators[device.index if device.index is not None
+                                      else torch.cuda.current_device()].manual_seed(seed)
+        yield
+
+
 class DeviceAugment:
     def __init__(self, cfg: DataConfig, num_classes: int, label_smoothing: float, seed: int, rank: int,
                  *, mean, std, device_type: str):
@@ -81,7 +97,7 @@ class DeviceAugment:
         self.seed, self.rank = seed, rank
         on_device = color_jitter_on(cfg, device_type) == "device"
         self.jitter = ColorJitter(cfg.color_jitter, mean, std) if on_device else None
-        self.erase = (RandomErasing(probability=cfg.reprob, mode="pixel", device="cpu")
+        self.erase = (RandomErasing(probability=cfg.reprob, mode="pixel")
                       if cfg.reprob > 0 else None)
         self.mix = None
         if cfg.mixup > 0 or cfg.cutmix > 0:
@@ -103,9 +119,14 @@ class DeviceAugment:
             g = torch.Generator(device=images.device)
             g.manual_seed(mix_seed(self.seed, epoch, step, self.rank, "jitter"))
             self.jitter.apply(images, *self.jitter.draw(images.shape[0], g))
-        with SeededRNG(mix_seed(self.seed, epoch, step, self.rank, "device-aug")):
+        seed = mix_seed(self.seed, epoch, step, self.rank, "device-aug")
+        with SeededRNG(seed):
             if self.erase is not None:
-                self.erase(images)
+                # Noise drawn where the batch is: a patch made on the CPU would be one copy to the
+                # device, and one wait for it, per erased sample.
+                self.erase.device = images.device
+                with seeded_device_rng(images.device, seed):
+                    self.erase(images)
             if self.mix is not None:
                 labels = self._mixup(images, labels)
         return images, labels
