@@ -30,21 +30,37 @@ def folder(tmp_path_factory):
 
 
 def _run(folder, out, name, nproc, *extra, timeout=300, expect=0):
-    args = [str(REPO / "train.py"), "--data", str(folder), "--model", "test_resnet", "--image-size", "24",
+    """A run on `nproc` processes under torchrun, or on one process in this one; 1 torch thread each."""
+    args = ["--data", str(folder), "--model", "test_resnet", "--image-size", "24",
             "--global-batch", "16", "--epochs", "1", "--output", str(out), "--run-name", name,
             "--set", "data.num_workers=0", "--set", "model.bn=freeze", "--set", "data.crop_pct=1.0",
             "--set", "train.log_every_steps=1", *extra]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-           if nproc > 1 else [sys.executable]) + args
+    if nproc == 1:
+        return _run_here(args, expect, out / name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(REPO / "train.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if expect and nproc > 1:  # torchrun exits 1 and names each worker's own exit code
+    if expect:  # torchrun exits 1 and names each worker's own exit code
         assert proc.returncode == 1 and f"exitcode  : {expect} " in proc.stderr, proc.stderr[-4000:]
         return proc
-    assert proc.returncode == expect, proc.stderr[-4000:]
-    if expect:
-        return proc
+    assert proc.returncode == 0, proc.stderr[-4000:]
     return out / name
+
+
+def _run_here(args, expect, run_dir):
+    from vramfit.cli import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = run(["train", *args])
+    except SystemExit as e:
+        code = e.code
+    finally:
+        torch.set_num_threads(threads)
+    assert code == expect
+    return run_dir
 
 
 def _final(run_dir):
