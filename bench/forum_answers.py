@@ -71,6 +71,39 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
+# ResNet50 with 10 classes from a local 1000-class weight file (vramfit's `model.pretrained_path`, i.e.
+# timm's pretrained loader) or with random weights, in a fresh process: what it holds afterwards.
+MEASURE_PRETRAINED = """
+import gc, resource, sys, torch, timm
+from vramfit.config import ModelConfig
+from vramfit.models import create_model
+path = sys.argv[1]
+if path != "none":
+    torch.save(timm.create_model("resnet50").state_dict(), path)  # a stand-in for downloaded weights
+    gc.collect()
+before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+cfg = ModelConfig(name="resnet50", pretrained=path != "none", pretrained_path=None if path == "none" else path)
+model = create_model(cfg, num_classes=10, load_weights=path != "none")
+gc.collect()
+after = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+storages = {}
+for o in gc.get_objects():  # every tensor still alive, each storage once
+    if isinstance(o, torch.Tensor):
+        storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+print(after - before, params, sum(storages.values()))
+"""
+
+
+def measured_model_bytes(weights_file: str | None) -> tuple[int, int, int]:
+    """(resident memory the model creation left, the model's own tensor bytes, the bytes of every
+    tensor still alive), from local weights or random ones."""
+    proc = subprocess.run([sys.executable, "-c", MEASURE_PRETRAINED, weights_file or "none"],
+                          capture_output=True, text=True, timeout=600, check=True)
+    added, params, alive = proc.stdout.strip().splitlines()[-1].split()
+    return int(added), int(params), int(alive)
+
+
 def measured_eval_forward_bytes(batch: int, grad: bool) -> int:
     """Peak host memory one evaluation forward adds on this CPU (the same tensors a GPU would hold,
     without the allocator's rounding)."""
@@ -121,6 +154,16 @@ def main() -> None:
         print("  measured on this CPU (peak resident memory the forward adds, weights excluded):")
         print(f"- without torch.no_grad(): {with_grad / GiB:.2f} GiB")
         print(f"- under torch.no_grad():   {no_grad / GiB:.2f} GiB")
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            (warm, params, warm_alive), (cold, _, cold_alive) = (
+                measured_model_bytes(f) for f in (f"{tmp}/resnet50.pth", None))
+        print("\nResNet50 (10 classes) on this CPU, after creating it (gc run): tensors alive / resident memory added")
+        print(f"- from a local pretrained weight file: {warm_alive / 2**20:.0f} MiB / {warm / 2**20:.0f} MiB")
+        print(f"- with random weights:                 {cold_alive / 2**20:.0f} MiB / {cold / 2**20:.0f} MiB")
+        print(f"  (the model's own tensors: {params / 2**20:.0f} MiB; resident memory also keeps what the "
+              "allocator has not handed back)")
     print(f"\n({time.time() - t0:.0f} s)")
 
 
