@@ -74,42 +74,36 @@ def _torchvision_jitter(pixels, factors, order):
 
 
 def test_color_jitter_is_torchvisions_per_sample():
-    """Each sample gets its own factors and its own order of brightness, contrast and saturation,
-    and the result is torchvision's ColorJitter with those draws (in pixel values, then normalised)."""
+    """Each sample gets its own factors and its own order of brightness, contrast and saturation
+    (drawn by torchvision's get_params), and the result is torchvision's ColorJitter with those
+    draws (in pixel values, then normalised), for either memory format."""
     from vramfit.augment import ColorJitter
 
     x, _ = batch(n=12, size=20, seed=4)
+    torch.manual_seed(0)
+    params = torch.stack([D.jitter_params(0.4) for _ in range(12)])
+    factors, order = params[:, :3], params[:, 3:].long()
+    assert ((0.6 <= factors) & (factors <= 1.4)).all()
+    assert all(sorted(o) == [0, 1, 2] for o in order.tolist())
+    assert len({tuple(o) for o in order.tolist()}) > 1  # orders differ between samples
     for layout in (True, False):
         norm = D.normalizer(DATA_CFG, "cpu", channels_last=layout)
         images = norm(x)
-        jitter = ColorJitter(0.4, **DATA_CFG)
-        factors, order = jitter.draw(12, torch.Generator().manual_seed(0))
-        assert ((0.6 <= factors) & (factors <= 1.4)).all()
-        assert len({tuple(o) for o in order.tolist()}) > 1  # orders differ between samples
-        jitter.apply(images, factors, order)
+        jitter = ColorJitter(**DATA_CFG)
+        jitter.apply(images, params)
         expected = norm((_torchvision_jitter(x.float() / 255, factors, order) * 255))
         torch.testing.assert_close(images, expected, rtol=0, atol=1e-4)
-        # Factors of 1 change nothing, whatever the order.
-        again = norm(x)
-        jitter.apply(again, torch.ones(12, 3), order)
+        again = norm(x)  # NO_JITTER changes nothing
+        jitter.apply(again, D.NO_JITTER.expand(12, 6))
         torch.testing.assert_close(again, norm(x), rtol=0, atol=1e-5)
 
 
-def test_color_jitter_is_seeded_by_position_and_placed_where_it_is_cheapest():
-    """On the device it is a pure function of the step and leaves every caller RNG alone; `auto`
-    puts it there on an accelerator and in the loader (timm's own transform) on the CPU; an
-    auto-augment policy turns it off unless it is a '3a' one, as in timm."""
+def test_color_jitter_is_placed_where_it_is_cheapest_and_needs_the_samples_parameters():
+    """`auto` puts it on the device on an accelerator and in the loader (timm's own transform) on
+    the CPU; an auto-augment policy turns it off unless it is a '3a' one, as in timm. On the device
+    it takes each sample's parameters from the batch."""
     import torchvision.transforms as T
 
-    aug = device_augment(DataConfig())  # the default, 0.4
-    images = D.normalizer(DATA_CFG, "cpu", channels_last=False)(batch(n=4)[0])
-    y = torch.zeros(4, dtype=torch.long)
-    torch.manual_seed(3)
-    before = torch.rand(3)
-    torch.manual_seed(3)
-    a, b, c = (aug(images.clone(), y, epoch=0, step=s)[0] for s in (5, 5, 6))
-    assert torch.equal(torch.rand(3), before)
-    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, images)
     on = D.color_jitter_on
     assert (on(DataConfig(), "cuda"), on(DataConfig(), "cpu")) == ("device", "loader")
     assert on(DataConfig(color_jitter_on="device"), "cpu") == "device"
@@ -124,6 +118,15 @@ def test_color_jitter_is_seeded_by_position_and_placed_where_it_is_cheapest():
         return any(isinstance(t, T.ColorJitter) for t in train.transforms)
 
     assert jitters("cpu") and not jitters("cuda")
+    aug = device_augment(DataConfig())  # the default, 0.4, on the device
+    images = D.normalizer(DATA_CFG, "cpu", channels_last=False)(batch(n=4)[0])
+    params = torch.stack([D.jitter_params(0.4) for _ in range(4)])
+    out, _ = aug(images.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=1, jitter=params)
+    assert not torch.equal(out, images)
+    with pytest.raises(ValueError, match="no jitter parameters"):
+        aug(images.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=1)
+    empty = torch.empty(0, 3, 32, 32)  # a process whose share of a step is empty
+    assert aug(empty, torch.empty(0, dtype=torch.long), epoch=0, step=1)[0].shape == (0, 3, 32, 32)
 
 
 def test_device_augmentation_never_waits_for_the_device(monkeypatch):
@@ -135,6 +138,7 @@ def test_device_augmentation_never_waits_for_the_device(monkeypatch):
     made_on = []
     real_pixels = RE._get_pixels
     monkeypatch.setattr(RE, "_get_pixels", lambda *a, **k: (made_on.append(k["device"]), real_pixels(*a, **k))[1])
+    params = torch.stack([D.jitter_params(0.4) for _ in range(8)])  # drawn in the loader workers
     reads = []
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
         real = getattr(torch.Tensor, name)
@@ -142,7 +146,7 @@ def test_device_augmentation_never_waits_for_the_device(monkeypatch):
             reads.append(name), real(self, *a, **k))[1])(real, name))
     aug = device_augment(DataConfig(reprob=1.0, mixup=0.8, cutmix=1.0))
     for step in range(4):  # mixup on some steps, cutmix on others
-        aug(torch.randn(8, 3, 16, 16), torch.arange(8) % 5, epoch=0, step=step)
+        aug(torch.randn(8, 3, 16, 16), torch.arange(8) % 5, epoch=0, step=step, jitter=params)
     assert reads == [] and made_on
     # On a device that is not the host ("meta" stands in for a GPU here), the noise is made there.
     made_on.clear()

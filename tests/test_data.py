@@ -378,6 +378,24 @@ def test_two_workers_give_identical_batches(small_folder, transforms):
     assert same(batches(small_folder, transforms, 5, 2, 0), batches(small_folder, transforms, 5, 2, 2))
 
 
+def test_device_jitter_parameters_belong_to_the_sample(small_folder, transforms):
+    """With the colour jitter on the device, each sample's parameters are drawn with it in the
+    worker: the same for the same sample and epoch wherever it lands (batch, position, worker),
+    others another epoch; the image itself is the same as without them; the batch carries them."""
+    s = D.load_splits(cfg(small_folder, val_fraction=0.25))
+    args = (s.train, s.image_column, s.label_column, transforms[0], 32, 0)
+    ds, plain = D.ImageDataset(*args, train=True, device_jitter=0.4), D.ImageDataset(*args, train=True)
+    a, b, c = ds[(3, 0, 8)], ds[(3, 0, 16)], ds[(3, 1, 8)]
+    assert torch.equal(a.jitter, b.jitter) and not torch.equal(a.jitter, c.jitter)
+    assert ((0.6 <= a.jitter[:3]) & (a.jitter[:3] <= 1.4)).all() and sorted(a.jitter[3:].tolist()) == [0, 1, 2]
+    assert plain[(3, 0, 8)].jitter is None and torch.equal(plain[(3, 0, 8)].image, a.image)
+    sampler = D.StepBatchSampler(len(ds), 8, 0, 1, 0)
+    for workers in (0, 2):
+        got = [(bt.indices, bt.jitter) for bt in D.make_loader(ds, batch_sampler=sampler, workers=workers)]
+        assert all(j.shape == (len(i), 6) for i, j in got)
+        assert all(torch.equal(j[k], ds[(int(i[k]), 0, 8)].jitter) for i, j in got for k in range(len(i)))
+
+
 def test_every_process_runs_every_step_even_with_an_empty_share(small_folder, transforms):
     """19 samples at global batch 8 on 4 processes: 3 steps everywhere (as on 1 process); the short
     last batch of 3 goes to one process, the others get an empty batch that still says 3."""

@@ -30,11 +30,13 @@ def folder(tmp_path_factory):
 
 
 def _run(folder, out, name, nproc, *extra, timeout=300, expect=0):
-    """A run on `nproc` processes under torchrun, or on one process in this one; 1 torch thread each."""
+    """A run on `nproc` processes under torchrun, or on one process in this one; 1 torch thread each.
+    Colour jitter runs on the device as on a GPU: a sample's jitter must not depend on the process
+    count either."""
     args = ["--data", str(folder), "--model", "test_resnet", "--image-size", "24",
             "--global-batch", "16", "--epochs", "1", "--output", str(out), "--run-name", name,
             "--set", "data.num_workers=0", "--set", "model.bn=freeze", "--set", "data.crop_pct=1.0",
-            "--set", "train.log_every_steps=1", *extra]
+            "--set", "train.log_every_steps=1", "--set", "data.color_jitter_on=device", *extra]
     if nproc == 1:
         return _run_here(args, expect, out / name)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),

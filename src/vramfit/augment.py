@@ -6,21 +6,23 @@ device, and `DeviceAugment` then applies, to the whole per-process share of one 
 
 - colour jitter (`data.color_jitter`) when `data.loader.color_jitter_on` puts it here (on an
   accelerator): torchvision's ColorJitter(b, c, s) as timm's train transform sets it, per sample
-  (brightness, contrast and saturation factors in [1 - j, 1 + j], in a random order per sample,
-  each result clipped to the pixel range). In a loader worker it is a fifth of the work on a
-  500x375 JPEG (~0.55 ms a 224 px image, whatever the PIL route); here it is a few passes over the
-  batch. torchvision's tensor kernels take one image and one order at a time, so the batched form
-  is written here (tested against them);
+  (factors in [1 - j, 1 + j], the operations in a random order, each result clipped to the pixel
+  range). Each sample's parameters are drawn in the loader worker from its own seeded RNG
+  (`data.jitter_params`, torchvision's get_params) and travel with the batch, so a sample's jitter
+  is the same on any number of processes. In a worker the jitter itself is a fifth of the work on
+  a 500x375 JPEG (~0.55 ms a 224 px image, whatever the PIL route); here it is a few passes over
+  the batch. torchvision's tensor kernels take one image and one order at a time, so the batched
+  form is written here (tested against them);
 - timm `RandomErasing` (`data.reprob`), per sample, noise patches (timm's `mode="pixel"`);
 - timm `Mixup` (`data.mixup`, `data.cutmix` alphas, `data.mixup_prob`, `data.mixup_switch_prob`),
   one lambda per batch, partners paired within the process's share; the targets become soft
   (label smoothing folded in), which `engine._loss` handles.
 
-Every draw is seeded from (seed, epoch, step, rank), so the augmentation of a step is a pure
+Every other draw is seeded from (seed, epoch, step, rank), so the augmentation of a step is a pure
 function of where it is in the run: a resumed run repeats it exactly, and retries do not shift it.
 The erasing noise is drawn on the batch's device, from its default generator seeded for the step
 and put back after (`seeded_device_rng`: dropout's stream is untouched, and on CUDA the state is
-host-side, so nothing waits for the device); the jitter draws on a generator of its own there.
+host-side, so nothing waits for the device).
 """
 
 from __future__ import annotations
@@ -40,28 +42,22 @@ BRIGHTNESS, CONTRAST, SATURATION = range(3)
 class ColorJitter:
     """Per-sample brightness, contrast and saturation jitter of a normalised float NCHW batch."""
 
-    def __init__(self, strength: float, mean, std):
-        self.low, self.high = max(0.0, 1.0 - strength), 1.0 + strength
+    def __init__(self, mean, std):
         self.mean_std = (tuple(mean), tuple(std))
         self._constants: dict = {}  # per device: made once (a tensor from a list is a copy to the device)
 
-    def draw(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(factors (n, 3) indexed by BRIGHTNESS/CONTRAST/SATURATION, order (n, 3)), drawn on the
-        generator's device, like torchvision's ColorJitter.get_params per image."""
-        dev = generator.device
-        order = torch.rand(n, 3, device=dev, generator=generator).argsort(dim=1)
-        factors = torch.empty(n, 3, device=dev).uniform_(self.low, self.high, generator=generator)
-        return factors, order
-
-    def apply(self, images: torch.Tensor, factors: torch.Tensor, order: torch.Tensor) -> None:
-        """Jitter `images` in place: in pixel values (0..1) each sample gets its three operations
-        in its own order, each `clip(f * x + (1 - f) * target)` as torchvision's `_blend`, with
-        target 0 (brightness), the image's mean luma (contrast) or its luma (saturation)."""
+    def apply(self, images: torch.Tensor, params: torch.Tensor) -> None:
+        """Jitter `images` in place with each sample's `data.jitter_params` (its factors
+        indexed by BRIGHTNESS/CONTRAST/SATURATION, then the order of the operations): in pixel
+        values (0..1) each sample gets its three operations in its own order, each
+        `clip(f * x + (1 - f) * target)` as torchvision's `_blend`, with target 0 (brightness), the
+        image's mean luma (contrast) or its luma (saturation)."""
         if images.device not in self._constants:
             self._constants[images.device] = tuple(torch.tensor(v, device=images.device).view(1, 3, 1, 1)
                                                    for v in self.mean_std)
         mean, std = self._constants[images.device]
-        factors = factors.to(images.dtype)
+        params = params.to(images.device, non_blocking=True)  # pinned on a GPU run: no wait
+        factors, order = params[:, :3].to(images.dtype), params[:, 3:].long()
         images.mul_(std).add_(mean)
         for position in range(3):
             op = order[:, position:position + 1]
@@ -96,7 +92,7 @@ class DeviceAugment:
 
         self.seed, self.rank = seed, rank
         on_device = color_jitter_on(cfg, device_type) == "device"
-        self.jitter = ColorJitter(cfg.color_jitter, mean, std) if on_device else None
+        self.jitter = ColorJitter(mean, std) if on_device else None
         self.erase = (RandomErasing(probability=cfg.reprob, mode="pixel")
                       if cfg.reprob > 0 else None)
         self.mix = None
@@ -110,15 +106,18 @@ class DeviceAugment:
         """True when targets become class distributions (label smoothing is then inside them)."""
         return self.mix is not None
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step: int):
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step: int,
+                 jitter: torch.Tensor | None = None):
         """Augment `images` (normalised float NCHW, modified in place) for optimizer step `step`;
-        return (images, targets): hard labels, or soft targets with mixup/cutmix."""
-        if self.jitter is None and self.erase is None and self.mix is None:
+        `jitter`: the batch's per-sample colour jitter parameters (`Batch.jitter`). Returns
+        (images, targets): hard labels, or soft targets with mixup/cutmix."""
+        if self.jitter is not None and len(images):
+            if jitter is None or len(jitter) != len(images):
+                raise ValueError("colour jitter is on the device, but the batch carries no jitter parameters "
+                                 "for its samples (the dataset must be built with device_jitter)")
+            self.jitter.apply(images, jitter)
+        if self.erase is None and self.mix is None:
             return images, labels
-        if self.jitter is not None:  # its own generator on the device: nothing is copied there
-            g = torch.Generator(device=images.device)
-            g.manual_seed(mix_seed(self.seed, epoch, step, self.rank, "jitter"))
-            self.jitter.apply(images, *self.jitter.draw(images.shape[0], g))
         seed = mix_seed(self.seed, epoch, step, self.rank, "device-aug")
         with SeededRNG(seed):
             if self.erase is not None:

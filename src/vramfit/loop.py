@@ -139,7 +139,7 @@ class Trainer:
             check_batch_shape(batch.images, cfg.data.image_size)
         images, labels = self.augment(self.loaders.normalize(batch.images),
                                       batch.labels.to(self.L.acc.device, non_blocking=True), epoch,
-                                      st.step_in_epoch)
+                                      st.step_in_epoch, jitter=batch.jitter)
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (logged as such)
         try:
             res = self.step(images, labels, batch.step_samples, bad_files=len(batch.bad),

@@ -8,9 +8,9 @@
 """
 
 from .folders import IMAGE_EXTENSIONS, is_image_file
-from .loader import (TRAIN_DRAFT_FACTOR, Batch, CheckedLoader, ImageDataset, Loaders, Note, Sample,
-                     build_loaders, build_transforms, check_batch_shape, collate, color_jitter_on,
-                     draft_size, make_loader, normalizer)
+from .loader import (NO_JITTER, TRAIN_DRAFT_FACTOR, Batch, CheckedLoader, ImageDataset, Loaders, Note,
+                     Sample, build_loaders, build_transforms, check_batch_shape, collate, color_jitter_on,
+                     draft_size, jitter_params, make_loader, normalizer)
 from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
 from .schema import HELD_OUT_SPLITS, IMAGE_COLUMNS, LABEL_COLUMNS, TRAIN_SPLITS, VAL_SPLITS
 from .sources import Source, Splits, load_eval_split, load_source, load_splits
@@ -18,9 +18,9 @@ from .workers import resolve_workers
 
 __all__ = [
     "IMAGE_EXTENSIONS", "is_image_file",
-    "TRAIN_DRAFT_FACTOR", "Batch", "CheckedLoader", "ImageDataset", "Loaders", "Note", "Sample",
-    "build_loaders", "build_transforms", "check_batch_shape", "collate", "color_jitter_on", "draft_size", "make_loader",
-    "normalizer",
+    "NO_JITTER", "TRAIN_DRAFT_FACTOR", "Batch", "CheckedLoader", "ImageDataset", "Loaders", "Note", "Sample",
+    "build_loaders", "build_transforms", "check_batch_shape", "collate", "color_jitter_on", "draft_size",
+    "jitter_params", "make_loader", "normalizer",
     "NO_SAMPLE", "SeededRNG", "StepBatchSampler", "mix_seed",
     "HELD_OUT_SPLITS", "IMAGE_COLUMNS", "LABEL_COLUMNS", "TRAIN_SPLITS", "VAL_SPLITS",
     "Source", "Splits", "load_eval_split", "load_source", "load_splits",

@@ -107,15 +107,35 @@ class Sample(NamedTuple):
     bad: str  # "file: reason" of an unreadable file met, or ""
     stop: str = ""  # why the run cannot go on, or ""
     note: Note | None = None
+    jitter: torch.Tensor | None = None  # colour jitter done on the device: see jitter_params
+
+
+# jitter_params that change nothing: factors of 1, the operations in their own order.
+NO_JITTER = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 2.0])
+
+
+def jitter_params(strength: float) -> torch.Tensor:
+    """One sample's colour jitter, for the device to apply (vramfit.augment.ColorJitter): its
+    brightness, contrast and saturation factors and the order of the three operations, as
+    (b, c, s, first, second, third). Drawn by torchvision's own ColorJitter.get_params from the
+    sample's seeded RNG, like every per-sample augmentation, so a sample's jitter does not depend
+    on the batch, the process or the worker it lands in."""
+    from torchvision.transforms import ColorJitter
+
+    low_high = (max(0.0, 1.0 - strength), 1.0 + strength)
+    order, b, c, s, _ = ColorJitter.get_params(low_high, low_high, low_high, None)
+    return torch.tensor([b, c, s, *(int(i) for i in order if int(i) < 3)], dtype=torch.float32)
 
 
 class ImageDataset(torch.utils.data.Dataset):
     """Decodes in the loader worker through our guarded decoder; a bad file is replaced by a
     deterministic other sample (train) or masked out (eval), and reported by name."""
 
-    def __init__(self, hf, image_col, label_col, transform, image_size, seed, train: bool):
+    def __init__(self, hf, image_col, label_col, transform, image_size, seed, train: bool,
+                 device_jitter: float | None = None):
         self.hf, self.image_col, self.label_col = hf, image_col, label_col
         self.transform, self.image_size, self.seed, self.train = transform, image_size, seed, train
+        self.device_jitter = device_jitter  # strength of the colour jitter the device applies
         self.draft = draft_size(transform, image_size)
 
     def __len__(self):
@@ -132,8 +152,9 @@ class ImageDataset(torch.utils.data.Dataset):
         return img, int(row[self.label_col]), note
 
     def _empty(self, index: int, step_n: int, bad: str = "", stop: str = "") -> Sample:
+        jitter = NO_JITTER if self.device_jitter else None
         return Sample(torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8), -1, index,
-                      step_n, bad, stop)
+                      step_n, bad, stop, jitter=jitter)
 
     def __getitem__(self, key) -> Sample:
         index, epoch, step_n = key if self.train else (key, 0, 0)
@@ -152,7 +173,8 @@ class ImageDataset(torch.utils.data.Dataset):
                 return self._empty(index, step_n, bad, stop=_no_readable_message([bad, *e.tried], len(self.hf)))
         with SeededRNG(mix_seed(self.seed, epoch, index, "aug")), quiet_bomb_warnings():
             x = self.transform(img)  # a crop of a huge image warns again
-        return Sample(x, label, index, step_n, bad, note=note)
+            jitter = jitter_params(self.device_jitter) if self.device_jitter else None
+        return Sample(x, label, index, step_n, bad, note=note, jitter=jitter)
 
     def _replacement(self, index):
         # Same replacement on every run (a function of the index only), so resume stays exact.
@@ -190,12 +212,15 @@ class Batch:
     bad: list[str]
     stop: str = ""  # set: the run must stop (see the module docstring)
     notes: list[Note] = field(default_factory=list)
+    jitter: torch.Tensor | None = None  # (N, 6) jitter_params of the samples, when the device jitters
 
     def pin_memory(self) -> "Batch":
         # Called by the loader's pin-memory thread (CUDA runs): torch pins tensors, mappings and
         # sequences but returns any other type as is, and a copy from pageable memory is not
         # asynchronous whatever `non_blocking` says.
         self.images, self.labels = self.images.pin_memory(), self.labels.pin_memory()
+        if self.jitter is not None:
+            self.jitter = self.jitter.pin_memory()
         return self
 
 
@@ -209,10 +234,11 @@ def collate(items: list, image_size: int | None = None) -> Batch:
     else:
         side = image_size or (items[0].image.shape[-1] if items else 0)
         images = torch.empty((0, 3, side, side), dtype=torch.uint8)
+    jitter = torch.stack([it.jitter for it in real]) if real and real[0].jitter is not None else None
     return Batch(images, torch.tensor([it.label for it in real], dtype=torch.long),
                  torch.tensor([it.index for it in real], dtype=torch.long),
                  int(items[0].step_samples) if items else 0, [it.bad for it in real if it.bad],
-                 next((it.stop for it in real if it.stop), ""), [it.note for it in real if it.note])
+                 next((it.stop for it in real if it.stop), ""), [it.note for it in real if it.note], jitter)
 
 
 def stack_images(images: list) -> torch.Tensor:
@@ -319,8 +345,9 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
     train_tf, val_tf = build_transforms(cfg.data, data_cfg, device_type)
     sampler = StepBatchSampler(len(splits.train), cfg.train.global_batch, accelerator.process_index,
                                accelerator.num_processes, cfg.train.seed)
+    device_jitter = cfg.data.color_jitter if color_jitter_on(cfg.data, device_type) == "device" else None
     train_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf,
-                            cfg.data.image_size, cfg.train.seed, train=True)
+                            cfg.data.image_size, cfg.train.seed, train=True, device_jitter=device_jitter)
     val_ds = ImageDataset(splits.val, splits.image_column, splits.label_column, val_tf,
                           cfg.data.image_size, cfg.train.seed, train=False)
     measure = None if compute_seconds is None else (lambda: (seconds_per_sample(train_ds, sampler), compute_seconds))
