@@ -117,7 +117,9 @@ def ours(source: Path, args, device_type: str) -> float:
     cfg = DataConfig(source=str(source), image_size=args.image_size, num_workers=args.workers)
     src = D.load_source(cfg)
     train_tf, _ = D.build_transforms(cfg, _data_cfg(args.image_size), device_type)
-    ds = D.ImageDataset(src.train, src.image_column, src.label_column, train_tf, args.image_size, 0, True)
+    device_jitter = cfg.color_jitter if D.color_jitter_on(cfg, device_type) == "device" else None
+    ds = D.ImageDataset(src.train, src.image_column, src.label_column, train_tf, args.image_size, 0, True,
+                        device_jitter=device_jitter)  # a GPU run's workers draw each sample's jitter
     sampler = D.StepBatchSampler(len(ds), args.batch, 0, 1, seed=0)
     loader = D.make_loader(ds, batch_sampler=sampler, workers=args.workers)
     ips = time_epochs(loader, args.epochs, sampler.set_epoch)
