@@ -31,12 +31,11 @@ def test_accelerate_launch_trains_on_the_cores_unless_the_user_chose(tmp_path):
 
 def test_a_user_error_under_accelerate_launch_quiet_is_only_the_message(tmp_path):
     """`accelerate launch` turns any non-zero exit of the script into its own traceback (exit 1);
-    with `-q` it exits 1 quietly, so the user sees vramfit's message alone. `vramfit train` keeps
-    the exit codes (2: a mistake in the input) - docs/distributed.md."""
+    with `-q` it exits 1 quietly, so the user sees vramfit's message alone (docs/distributed.md)."""
     args = [str(REPO / "train.py"), "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "runs")]
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1",
                            "--cpu", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.count("vramfit: error:") == 1 and "HINT:" in proc.stderr
-    direct = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert direct.returncode == 2 and "Traceback" not in direct.stderr
+    # The same mistake without the launcher exits 2 with the message alone:
+    # tests/test_train.py::test_bad_input_is_one_paragraph_not_a_traceback[missing-...].
