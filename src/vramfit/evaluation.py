@@ -8,11 +8,15 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import VramfitError
 from .trained import ColumnItems, TrainedModel
+
+if TYPE_CHECKING:  # type names only; datasets is imported where it is used
+    import datasets
 
 DEFAULT_SPLIT = "val"  # the validation split the run itself was evaluated on
 WORST_CLASSES_SHOWN = 5
@@ -47,7 +51,7 @@ def evaluate_run(run_dir: str | Path, data: str | None = None, split: str | None
 
 @dataclass
 class EvalData:
-    ds: "datasets.Dataset"  # noqa: F821 - labels index the model's classes
+    ds: "datasets.Dataset"  # labels index the model's classes
     image_column: str
     label_column: str
     description: str

@@ -17,6 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,11 +28,14 @@ from .folders import ImageFolder, read_image_folder, walk
 from .schema import (HELD_OUT_SPLITS, SPLIT_NAMES, TRAIN_SPLITS, VAL_SPLITS, column, encode_labels,
                      pick_image_column, pick_label_column)
 
+if TYPE_CHECKING:  # type names only; datasets is imported where it is used
+    import datasets
+
 
 @dataclass
 class Splits:
-    train: "datasets.Dataset"  # noqa: F821 - image column cast to Image(decode=False), int labels
-    val: "datasets.Dataset"  # noqa: F821
+    train: "datasets.Dataset"  # image column cast to Image(decode=False), int labels
+    val: "datasets.Dataset"
     class_names: list[str]
     image_column: str
     label_column: str
@@ -44,8 +48,8 @@ class Splits:
 class Source:
     """A source before any holdout: `val` is None when it has no validation split."""
 
-    train: "datasets.Dataset"  # noqa: F821
-    val: "datasets.Dataset | None"  # noqa: F821
+    train: "datasets.Dataset"
+    val: "datasets.Dataset | None"
     class_names: list[str]
     image_column: str
     label_column: str
@@ -59,7 +63,7 @@ class Source:
 
 @dataclass
 class _Raw:
-    splits: "datasets.DatasetDict"  # noqa: F821
+    splits: "datasets.DatasetDict"
     description: str
     notes: list[str] = field(default_factory=list)
     root: Path | None = None
