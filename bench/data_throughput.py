@@ -99,7 +99,7 @@ def time_epochs(loader, epochs: int, set_epoch=None, warmup_batches: int = 3) ->
     return n_img / elapsed
 
 
-def _data_cfg(size: int) -> dict:
+def data_cfg_at(size: int) -> dict:
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
     return {"input_size": (3, size, size), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
@@ -116,10 +116,9 @@ def ours(source: Path, args, device_type: str) -> float:
 
     cfg = DataConfig(source=str(source), image_size=args.image_size, num_workers=args.workers)
     src = D.load_source(cfg)
-    train_tf, _ = D.build_transforms(cfg, _data_cfg(args.image_size), device_type)
-    device_jitter = cfg.color_jitter if D.color_jitter_on(cfg, device_type) == "device" else None
+    train_tf, _ = D.build_transforms(cfg, data_cfg_at(args.image_size), device_type)
     ds = D.ImageDataset(src.train, src.image_column, src.label_column, train_tf, args.image_size, 0, True,
-                        device_jitter=device_jitter)  # a GPU run's workers draw each sample's jitter
+                        device_jitter=D.device_jitter(cfg, device_type))  # a GPU run's: drawn per sample
     sampler = D.StepBatchSampler(len(ds), args.batch, 0, 1, seed=0)
     loader = D.make_loader(ds, batch_sampler=sampler, workers=args.workers)
     ips = time_epochs(loader, args.epochs, sampler.set_epoch)
@@ -137,7 +136,7 @@ def device_stage(args) -> tuple[str, float]:
     from vramfit.augment import ColorJitter
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = _data_cfg(args.image_size)
+    cfg = data_cfg_at(args.image_size)
     norm, jitter = D.normalizer(cfg, device, channels_last=True), ColorJitter(cfg["mean"], cfg["std"])
     x = torch.randint(0, 256, (args.batch, 3, args.image_size, args.image_size), dtype=torch.uint8)
     params = torch.stack([D.jitter_params(0.4) for _ in range(args.batch)])
@@ -176,7 +175,7 @@ def draft_table(args) -> None:
 
     torch.set_num_threads(1)
     s = args.image_size
-    train_tf, _ = D.build_transforms(DataConfig(image_size=s), _data_cfg(s))
+    train_tf, _ = D.build_transforms(DataConfig(image_size=s), data_cfg_at(s))
     items = [{"bytes": photo_like(4000, 3000, seed, args.noise), "path": None} for seed in range(4)]
     print(f"4000x3000 JPEG, {len(items[0]['bytes']) / 1e6:.1f} MB; decode + train transform at {s} px, one core")
     print(f"{'draft target':<28}{'decoded at':>12}{'ms/image':>10}")

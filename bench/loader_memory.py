@@ -60,13 +60,15 @@ def measure_one(folder: str, workers: int, batch: int, size: int, batches: int) 
     from vramfit import data as D
     from vramfit.config import DataConfig
 
+    from data_throughput import data_cfg_at  # bench/ is on the path: this file runs as a script
+
     cuda = torch.cuda.is_available()
+    device_type = "cuda" if cuda else "cpu"
     cfg = DataConfig(source=folder, image_size=size, num_workers=workers)
     src = D.load_source(cfg)
-    data_cfg = {"input_size": (3, size, size), "interpolation": "bilinear", "mean": (0.485, 0.456, 0.406),
-                "std": (0.229, 0.224, 0.225), "crop_pct": 0.875}
-    train_tf, _ = D.build_transforms(cfg, data_cfg, "cuda" if cuda else "cpu")
-    ds = D.ImageDataset(src.train, src.image_column, src.label_column, train_tf, size, 0, True)
+    train_tf, _ = D.build_transforms(cfg, data_cfg_at(size), device_type)
+    ds = D.ImageDataset(src.train, src.image_column, src.label_column, train_tf, size, 0, True,
+                        device_jitter=D.device_jitter(cfg, device_type))
     sampler = D.StepBatchSampler(len(ds), batch, 0, 1, seed=0)
     if cuda:
         torch.cuda.init()

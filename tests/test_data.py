@@ -475,6 +475,9 @@ def test_num_workers_auto_is_measured_on_a_cpu_run(small_folder, monkeypatch):
     assert W.resolve_workers(DataConfig(), "cuda", 1)[0] == 3
     assert W.resolve_workers(DataConfig(), "cuda", 4)[0] == 0  # 4 processes share the 4 CPUs
     assert W.resolve_workers(DataConfig(), "cpu", 1)[0] == 0  # nothing measured
+    assert W.measures_workers(DataConfig(), "cpu", 1) and not W.measures_workers(DataConfig(), "cuda", 1)
+    assert not W.measures_workers(DataConfig(), "cpu", 4)  # 4 processes on 4 CPUs: none to spare
+    assert not W.measures_workers(DataConfig(num_workers=2), "cpu", 1)
     c = build_config(None, [], {"data.source": str(small_folder), "data.image_size": 32, "train.global_batch": 8})
     data_cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
                 "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}

@@ -32,7 +32,7 @@ import contextlib
 import torch
 
 from .config import DataConfig
-from .data import SeededRNG, color_jitter_on, mix_seed
+from .data import SeededRNG, device_jitter, mix_seed
 
 # ITU-R 601 luma, the weights of torchvision's rgb_to_grayscale (and PIL's "L" conversion).
 LUMA = (0.2989, 0.587, 0.114)
@@ -91,8 +91,7 @@ class DeviceAugment:
         from timm.data.random_erasing import RandomErasing
 
         self.seed, self.rank = seed, rank
-        on_device = color_jitter_on(cfg, device_type) == "device"
-        self.jitter = ColorJitter(mean, std) if on_device else None
+        self.jitter = ColorJitter(mean, std) if device_jitter(cfg, device_type) is not None else None
         self.erase = (RandomErasing(probability=cfg.reprob, mode="pixel")
                       if cfg.reprob > 0 else None)
         self.mix = None

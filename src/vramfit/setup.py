@@ -192,10 +192,13 @@ def compile_model(cfg: Config, L, model):
 
 def cpu_seconds_per_sample(cfg: Config, L, model, micro: batching.MicroBatch) -> float | None:
     """What one training sample costs this CPU run's model, for `data.num_workers: auto` (None
-    where nothing is measured: a fixed worker count, or a GPU). A forward without gradients in eval
-    mode (no BatchNorm statistics move, no random draw) on a seeded batch, timed after one warm-up
-    and counted 3x for forward + backward; before torch.compile, so nothing is compiled for it."""
-    if L.device_type != "cpu" or cfg.data.num_workers != "auto":
+    where nothing is measured: a fixed worker count, a GPU, or no core to spare). A forward without
+    gradients in eval mode (no BatchNorm statistics move, no random draw) on a seeded batch, timed
+    after one warm-up and counted 3x for forward + backward; before torch.compile, so nothing is
+    compiled for it."""
+    from .data.workers import local_processes, measures_workers
+
+    if not measures_workers(cfg.data, L.device_type, local_processes(L.world)):
         return None
     import time
 

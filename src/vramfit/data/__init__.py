@@ -10,7 +10,7 @@
 from .folders import IMAGE_EXTENSIONS, is_image_file
 from .loader import (NO_JITTER, TRAIN_DRAFT_FACTOR, Batch, CheckedLoader, ImageDataset, Loaders, Note,
                      Sample, build_loaders, build_transforms, check_batch_shape, collate, color_jitter_on,
-                     draft_size, jitter_params, make_loader, normalizer)
+                     device_jitter, draft_size, jitter_params, make_loader, normalizer)
 from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
 from .schema import HELD_OUT_SPLITS, IMAGE_COLUMNS, LABEL_COLUMNS, TRAIN_SPLITS, VAL_SPLITS
 from .sources import Source, Splits, load_eval_split, load_source, load_splits
@@ -19,8 +19,8 @@ from .workers import resolve_workers
 __all__ = [
     "IMAGE_EXTENSIONS", "is_image_file",
     "NO_JITTER", "TRAIN_DRAFT_FACTOR", "Batch", "CheckedLoader", "ImageDataset", "Loaders", "Note", "Sample",
-    "build_loaders", "build_transforms", "check_batch_shape", "collate", "color_jitter_on", "draft_size",
-    "jitter_params", "make_loader", "normalizer",
+    "build_loaders", "build_transforms", "check_batch_shape", "collate", "color_jitter_on", "device_jitter",
+    "draft_size", "jitter_params", "make_loader", "normalizer",
     "NO_SAMPLE", "SeededRNG", "StepBatchSampler", "mix_seed",
     "HELD_OUT_SPLITS", "IMAGE_COLUMNS", "LABEL_COLUMNS", "TRAIN_SPLITS", "VAL_SPLITS",
     "Source", "Splits", "load_eval_split", "load_source", "load_splits",

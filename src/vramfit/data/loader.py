@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,7 +25,7 @@ from ..decode import BadImage, decode_with_size, describe, quiet_bomb_warnings
 from ..errors import VramfitError
 from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
 from .sources import Splits
-from .workers import end_workers_at_exit, init_worker, resolve_workers
+from .workers import end_workers_at_exit, init_worker, local_processes, resolve_workers
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +52,12 @@ def color_jitter_on(cfg: DataConfig, device_type: str) -> str | None:
     if cfg.color_jitter_on != "auto":
         return cfg.color_jitter_on
     return "loader" if device_type == "cpu" else "device"
+
+
+def device_jitter(cfg: DataConfig, device_type: str) -> float | None:
+    """The strength of the colour jitter the device applies (each sample's parameters drawn by
+    ImageDataset), or None where the loader does it or nobody does."""
+    return cfg.color_jitter if color_jitter_on(cfg, device_type) == "device" else None
 
 
 def build_transforms(cfg: DataConfig, data_cfg: dict, device_type: str = "cpu"):
@@ -345,15 +350,13 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
     train_tf, val_tf = build_transforms(cfg.data, data_cfg, device_type)
     sampler = StepBatchSampler(len(splits.train), cfg.train.global_batch, accelerator.process_index,
                                accelerator.num_processes, cfg.train.seed)
-    device_jitter = cfg.data.color_jitter if color_jitter_on(cfg.data, device_type) == "device" else None
     train_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf,
-                            cfg.data.image_size, cfg.train.seed, train=True, device_jitter=device_jitter)
+                            cfg.data.image_size, cfg.train.seed, train=True,
+                            device_jitter=device_jitter(cfg.data, device_type))
     val_ds = ImageDataset(splits.val, splits.image_column, splits.label_column, val_tf,
                           cfg.data.image_size, cfg.train.seed, train=False)
     measure = None if compute_seconds is None else (lambda: (seconds_per_sample(train_ds, sampler), compute_seconds))
-    # Processes of this machine share its CPUs (torchrun / accelerate launch export the count).
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    workers, why = resolve_workers(cfg.data, device_type, local, measure)
+    workers, why = resolve_workers(cfg.data, device_type, local_processes(accelerator.num_processes), measure)
     pin = device_type == "cuda"
     train = make_loader(train_ds, batch_sampler=sampler, workers=workers, pin=pin)
     val = accelerator.prepare_data_loader(make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))

@@ -48,7 +48,22 @@ def pick_cpu_workers(sample_seconds: float, compute_seconds: float, cpus: int) -
     return best
 
 
-def resolve_workers(cfg: DataConfig, device_type: str, local_processes: int,
+def local_processes(default: int) -> int:
+    """Processes of this machine, which share its CPUs (torchrun / accelerate launch export it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def cpus_per_process(local: int) -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // max(1, local))
+
+
+def measures_workers(cfg: DataConfig, device_type: str, local: int) -> bool:
+    """Whether `num_workers: auto` is measured: a CPU run with a core to spare for a worker."""
+    return cfg.num_workers == "auto" and device_type == "cpu" and cpus_per_process(local) >= 2
+
+
+def resolve_workers(cfg: DataConfig, device_type: str, local: int,
                     measure: Callable[[], tuple[float, float]] | None = None) -> tuple[int, str]:
     """(loader workers per process, how they were chosen): `data.num_workers`; or for `auto` on an
     accelerator the CPUs this process may use less one (at most 8); on the CPU, from `measure()`
@@ -56,11 +71,10 @@ def resolve_workers(cfg: DataConfig, device_type: str, local_processes: int,
     there is no measurement or no core to spare."""
     if cfg.num_workers != "auto":
         return int(cfg.num_workers), "data.num_workers"
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    per_proc = max(1, cpus // max(1, local_processes))
+    per_proc = cpus_per_process(local)
     if device_type != "cpu":
         return max(0, min(MOST_WORKERS, per_proc - 1)), f"auto: {per_proc} CPUs for this process"
-    if per_proc < 2 or measure is None:
+    if measure is None or not measures_workers(cfg, device_type, local):
         return 0, f"auto: {per_proc} CPU(s) for this process, all computing"
     sample_s, compute_s = measure()
     return pick_cpu_workers(sample_s, compute_s, per_proc), (
