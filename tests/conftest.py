@@ -12,6 +12,29 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The tensor methods that read a value back to the host: on a GPU each one waits for the device.
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+class HostReads:
+    """Records, while `on`, every call of the given tensor methods (`seen`); counted on a CPU, they
+    are the waits a GPU would have (`torch.cuda.set_sync_debug_mode` shows the same there)."""
+
+    def __init__(self, monkeypatch, names=HOST_READS, on: bool = False):
+        import torch
+
+        self.seen: list[str] = []
+        self.on = on
+        for name in names:
+            monkeypatch.setattr(torch.Tensor, name, self._watch(getattr(torch.Tensor, name), name))
+
+    def _watch(self, real, name):
+        def watched(tensor, *args, **kwargs):
+            if self.on:
+                self.seen.append(name)
+            return real(tensor, *args, **kwargs)
+        return watched
+
 
 @pytest.fixture
 def train_cli(tmp_path):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_args
+from conftest import HOST_READS, HostReads, tiny_args
 from vramfit import data as D
 from vramfit.augment import DeviceAugment
 from vramfit.config import DataConfig
@@ -139,15 +139,11 @@ def test_device_augmentation_never_waits_for_the_device(monkeypatch):
     real_pixels = RE._get_pixels
     monkeypatch.setattr(RE, "_get_pixels", lambda *a, **k: (made_on.append(k["device"]), real_pixels(*a, **k))[1])
     params = torch.stack([D.jitter_params(0.4) for _ in range(8)])  # drawn in the loader workers
-    reads = []
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, (lambda real, name: lambda self, *a, **k: (
-            reads.append(name), real(self, *a, **k))[1])(real, name))
+    reads = HostReads(monkeypatch, (*HOST_READS, "cpu", "numpy"), on=True)
     aug = device_augment(DataConfig(reprob=1.0, mixup=0.8, cutmix=1.0))
     for step in range(4):  # mixup on some steps, cutmix on others
         aug(torch.randn(8, 3, 16, 16), torch.arange(8) % 5, epoch=0, step=step, jitter=params)
-    assert reads == [] and made_on
+    assert reads.seen == [] and made_on
     # On a device that is not the host ("meta" stands in for a GPU here), the noise is made there.
     made_on.clear()
     aug = device_augment(DataConfig(reprob=1.0, mixup=0.8, color_jitter=0.0))

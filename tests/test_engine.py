@@ -5,6 +5,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from conftest import HostReads
+
 from vramfit.config import ModelConfig, OptimConfig
 from vramfit.engine import MicroBatchExhausted, TrainStep
 from vramfit.models import create_model
@@ -241,12 +243,7 @@ def test_a_step_waits_for_the_device_twice_whatever_the_micro_batch_count(monkey
     tensor methods that read a value back (on a GPU `torch.cuda.set_sync_debug_mode` shows the
     same): the vote and the gradient norm, for 1 or 8 micro-batches; none per micro-batch. The
     optimizer's own step is left out (AdamW reads its step counter, a CPU tensor)."""
-    reads = []
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, (lambda real, name: lambda self, *a, **k: (
-            reads.append(name) if counting[0] else None, real(self, *a, **k))[1])(real, name))
-    counting = [False]
+    reads = HostReads(monkeypatch)
     model, ocfg = _setup("adamw")
     acc = Accelerator(cpu=True)
     opt = create_optimizer(model, ocfg)
@@ -254,17 +251,17 @@ def test_a_step_waits_for_the_device_twice_whatever_the_micro_batch_count(monkey
     real_step = opt.step
 
     def quiet_step(*a, **k):
-        counting[0] = False
+        reads.on = False
         try:
             return real_step(*a, **k)
         finally:
-            counting[0] = True
+            reads.on = True
     opt.step = quiet_step
     for micro in (16, 2):
         step = TrainStep(acc, model, opt, micro, label_smoothing=0.1, clip_grad_norm=1.0)
         x, y = _data(1, 16)[0]
-        reads.clear()
-        counting[0] = True
+        reads.seen.clear()
+        reads.on = True
         step(x, y, 16)
-        counting[0] = False
-        assert sorted(reads) == ["__float__", "tolist"], (micro, reads)
+        reads.on = False
+        assert sorted(reads.seen) == ["__float__", "tolist"], (micro, reads.seen)
