@@ -29,6 +29,27 @@ STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+def portable(tensors: dict) -> dict:
+    """Tensors as every weight file holds them: detached, on the CPU, in the default (contiguous)
+    memory format. A channels_last weight is the same values under permuted strides, which
+    safetensors refuses to write; loaders (timm, torch, onnx) expect the default layout anyway."""
+    return {k: v.detach().cpu().contiguous() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+
+
+@contextlib.contextmanager
+def portable_state_dict(model: torch.nn.Module):
+    """While open, `model.state_dict()` returns `portable` tensors: for writers that take the model
+    itself (timm's `save_for_hf`, `push_to_hf_hub`). The model's own parameters are left as they are."""
+    def hook(module, state_dict, prefix, local_metadata):
+        state_dict.update(portable(state_dict))
+
+    handle = model.register_state_dict_post_hook(hook)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -65,8 +86,7 @@ def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int
     with (contextlib.nullcontext() if sharded else agreed("writing a checkpoint", device)), _writing(root, tmp):
         accelerator.save_state(str(tmp), safe_serialization=True)
         if local:  # this process's own tensors (see `load_local`)
-            save_file({k: v.detach().cpu().contiguous() for k, v in local.items()},
-                      tmp / f"local_{accelerator.process_index}.safetensors")
+            save_file(portable(local), tmp / f"local_{accelerator.process_index}.safetensors")
     with agreed("finishing a checkpoint", device), _writing(root, tmp):
         if main:
             _complete(tmp, final, root, step, trainer_state, extra)
@@ -77,7 +97,7 @@ def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int
 def _complete(tmp: Path, final: Path, root: Path, step: int, trainer_state: dict, extra: dict | None) -> None:
     (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
     for name, tensors in (extra or {}).items():  # e.g. EMA weights: safetensors, no pickle
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / f"{name}.safetensors")
+        save_file(portable(tensors), tmp / f"{name}.safetensors")
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     sums = {str(p.relative_to(tmp)): _sha256(p) for p in files}
     for p in files:  # data on disk before the marker that vouches for it

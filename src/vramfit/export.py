@@ -127,14 +127,17 @@ def push(tm: TrainedModel, repo_id: str, private: bool = False) -> str:
     preprocessing, README.md from the model card when the repository has none yet)."""
     from timm.models import push_to_hf_hub
 
+    from .checkpoint import portable_state_dict
     from .modelcard import TAGS, body
 
     card = {"description": body(tm, ["model.safetensors"], repo_id), "tags": TAGS, "license": "other"}
     try:
-        result = push_to_hf_hub(tm.model.cpu(), repo_id, commit_message=f"Add {tm.run_dir.name} (vramfit)",
-                                private=private, model_card=card, safe_serialization=True,
-                                model_config={"label_names": tm.class_names, "num_classes": len(tm.class_names)},
-                                data_config=_hub_data_config(tm))
+        with portable_state_dict(tm.model.cpu()) as model:
+            result = push_to_hf_hub(model, repo_id, commit_message=f"Add {tm.run_dir.name} (vramfit)",
+                                    private=private, model_card=card, safe_serialization=True,
+                                    model_config={"label_names": tm.class_names,
+                                                  "num_classes": len(tm.class_names)},
+                                    data_config=_hub_data_config(tm))
     except Exception as e:  # noqa: BLE001 - network, auth and repo errors come as many types
         raise VramfitError(f"Could not push to the Hugging Face Hub repository `{repo_id}`: {type(e).__name__}: "
                            f"{str(e).splitlines()[0][:300] if str(e) else ''}",
