@@ -128,7 +128,7 @@ def steps(model_name: str, precision: str, ckpt: bool, micro: int, n: int = 3, e
 
     cfg = config(model_name, precision, ckpt, micro)
     dev = torch.device(DEVICE)
-    model = create_model(cfg.model, CLASSES, load_weights=False).to(dev).train()
+    model = create_model(cfg.model, CLASSES, load_weights=False, image_size=cfg.data.image_size).to(dev).train()
     opt = create_optimizer(model, cfg.optim)
     params = [p for p in model.parameters() if p.requires_grad]
     fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format

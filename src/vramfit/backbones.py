@@ -35,7 +35,7 @@ BACKBONES: dict[str, Backbone] = {
     "efficientnet_b3": Backbone(5e-4, 0.2, 288),
     "mobilenetv3_large_100": Backbone(1e-3, 0.1, 224),
     "convnext_tiny": Backbone(2e-4, 0.1, 224),
-    # ViTs take their native size only (their position embeddings are learned for it).
+    # ViTs are built for the run's image size; timm resamples pretrained position embeddings to it.
     "vit_small_patch16_224": Backbone(1.5e-4, 0.1, 224),
     "vit_base_patch16_224": Backbone(1e-4, 0.1, 224),
 }

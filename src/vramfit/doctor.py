@@ -174,7 +174,8 @@ def check_data(cfg) -> dict:
 
     splits = load_splits(cfg.data, cfg.train.seed)
     with torch.device("meta"):  # only the model's pretrained data config is needed
-        model = create_model(cfg.model, len(splits.class_names), load_weights=False)
+        model = create_model(cfg.model, len(splits.class_names), load_weights=False,
+                             image_size=cfg.data.image_size)
     train_tf, _ = build_transforms(cfg.data, data_config(model, cfg.data.image_size, cfg.data.crop_pct))
     ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf, cfg.data.image_size,
                       cfg.train.seed, train=True)

@@ -334,7 +334,7 @@ def _check_bad_fraction(bad: dict, n: int, limit: float) -> None:
 def _full_copy(cfg, num_classes: int, state_dict: dict):
     from .models import create_model
 
-    module = create_model(cfg.model, num_classes, load_weights=False)
+    module = create_model(cfg.model, num_classes, load_weights=False, image_size=cfg.data.image_size)
     module.load_state_dict(state_dict)
     return module
 

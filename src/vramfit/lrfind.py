@@ -78,7 +78,7 @@ def _setup(cfg: Config, device: torch.device):
     from .optim import create_optimizer
 
     splits = load_splits(cfg.data, cfg.train.seed)
-    model = create_model(cfg.model, len(splits.class_names)).to(device)
+    model = create_model(cfg.model, len(splits.class_names), image_size=cfg.data.image_size).to(device)
     data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
     train_tf, _ = build_transforms(cfg.data, data_cfg, device.type)
     ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf, cfg.data.image_size,

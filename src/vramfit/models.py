@@ -38,10 +38,12 @@ def _norm(name: str) -> str:
     return name.lower().translate(str.maketrans({"o": "0", "l": "1", "i": "1", "-": "_"}))
 
 
-def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True) -> nn.Module:
-    """Build the model on CPU. `load_weights=False` skips any weight loading (memory planning)."""
+def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True,
+                 image_size: int | None = None) -> nn.Module:
+    """Build the model on CPU for `image_size` px inputs. `load_weights=False` skips any weight
+    loading (memory planning)."""
     check_model_name(cfg.name)
-    kwargs: dict = dict(num_classes=num_classes, drop_rate=cfg.drop_rate)
+    kwargs: dict = dict(num_classes=num_classes, drop_rate=cfg.drop_rate, **input_size_kwargs(cfg.name, image_size))
     if cfg.drop_path_rate:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
     pretrained = load_weights and (cfg.pretrained or cfg.pretrained_path is not None)
@@ -94,6 +96,18 @@ def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True) 
     return model
 
 
+def input_size_kwargs(name: str, image_size: int | None) -> dict:
+    """A model built for one input size (ViT's position embeddings, Swin's windows) is built for the
+    run's size instead; timm resamples pretrained position embeddings to it as it loads them. Models
+    that take any size (CNNs) need nothing."""
+    if image_size is None or name.startswith(_SOURCE_PREFIXES):
+        return {}
+    pretrained_cfg = timm.models.get_pretrained_cfg(name)
+    if pretrained_cfg is None or not pretrained_cfg.fixed_input_size or pretrained_cfg.input_size[-1] == image_size:
+        return {}
+    return {"img_size": image_size}
+
+
 def _looks_offline(e: Exception) -> bool:
     names = {type(x).__name__ for x in _chain(e)}
     text = " ".join(str(x) for x in _chain(e)).lower()
@@ -138,11 +152,15 @@ def data_config(model: nn.Module, image_size: int, crop_pct: float | None = None
 
 
 def export(model: nn.Module, out_dir: Path, class_names: list[str], data_cfg: dict) -> None:
-    """Write `model/`: safetensors weights + timm config.json (loadable with `local-dir:`)."""
+    """Write `model/`: safetensors weights + timm config.json (loadable with `local-dir:`), in the
+    default memory format whatever layout the model trains in."""
+    from .checkpoint import portable_state_dict
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    timm.models.save_for_hf(
-        model, str(out_dir), safe_serialization=True,
-        model_config={"label_names": list(class_names), "num_classes": len(class_names)},
-        data_config={k: v for k, v in data_cfg.items() if k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")},
-    )
+    with portable_state_dict(model):
+        timm.models.save_for_hf(
+            model, str(out_dir), safe_serialization=True,
+            model_config={"label_names": list(class_names), "num_classes": len(class_names)},
+            data_config={k: v for k, v in data_cfg.items() if k in ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")},
+        )
     (out_dir / "class_names.json").write_text(json.dumps(list(class_names), indent=1))

@@ -104,7 +104,7 @@ def build_model(cfg: Config, L, num_classes: int):
 
     set_seed(cfg.train.seed)  # same initial weights on every process (and broadcast below)
     with agreed("building the model", L.acc.device):
-        model = create_model(cfg.model, num_classes)
+        model = create_model(cfg.model, num_classes, image_size=cfg.data.image_size)
         data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
     return model, data_cfg
 

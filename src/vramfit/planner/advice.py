@@ -53,7 +53,8 @@ def _freeze_options(cfg: Config, num_classes: int) -> list[list[str]]:
 
     with torch.device("meta"):
         try:
-            model = create_model(cfg.model.model_copy(update={"freeze": []}), num_classes, load_weights=False)
+            model = create_model(cfg.model.model_copy(update={"freeze": []}), num_classes, load_weights=False,
+                                 image_size=cfg.data.image_size)
         except Exception:  # noqa: BLE001
             return []
     info = [f.get("module") for f in getattr(model, "feature_info", []) or [] if f.get("module")]

@@ -126,7 +126,7 @@ class Profile:
                     f"Could not run one training step of `{cfg.model.name}` at {cfg.data.image_size} px "
                     f"to plan its memory: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                     hint="the trainer would fail the same way; check that the model accepts this "
-                         "image size (e.g. ViTs need their native size) and the model.* settings") from None
+                         "image size (e.g. a multiple of a ViT's patch size) and the model.* settings") from None
         l2 = self.tracer.trace(b2)
         self.linear = (len(l1.sizes) == len(l2.sizes) and np.array_equal(l1.events, l2.events)
                        and np.array_equal(l1.cats, l2.cats) and np.array_equal(l1.grads, l2.grads)

@@ -312,7 +312,10 @@ def build_fake(cfg: Config, num_classes: int, fake_mode, on_meta: bool, model_fn
 
     ctx = torch.device("meta") if on_meta else contextlib.nullcontext()
     with ctx:
-        model = model_fn() if model_fn is not None else create_model(cfg.model, num_classes, load_weights=False)
+        if model_fn is not None:
+            model = model_fn()
+        else:
+            model = create_model(cfg.model, num_classes, load_weights=False, image_size=cfg.data.image_size)
     with fake_mode:
         model = model.to_empty(device="cpu")  # fake tensors; keeps dtype, strides (channels_last), requires_grad
         model.train()
