@@ -182,6 +182,9 @@ class DebugConfig(Section):
     signal_in_step: int | None = None
     # Behave as if SIGTERM arrived during the evaluation after this epoch (1-based), before its 2nd batch.
     signal_in_eval: int | None = None
+    # Run `train.precision: fp16` on a CPU as a GPU would (fp16 autocast and GradScaler loss
+    # scaling), instead of in fp32: lets the fp16 recipes' own path run end to end without a GPU.
+    fp16_on_cpu: bool = False
 
 
 class Config(Section):

@@ -27,11 +27,13 @@ class Launch:
     notes: list[str]  # said once at start
 
 
-def resolve_precision(requested: str, device_type: str) -> tuple[str, str | None]:
+def resolve_precision(requested: str, device_type: str, fp16_on_cpu: bool = False) -> tuple[str, str | None]:
     """The precision Accelerate runs (`no` is fp32), and a note when it differs from the request."""
     from .config import accelerate_precision
 
     requested = accelerate_precision(requested)
+    if fp16_on_cpu and requested == "fp16":
+        return "fp16", None
     if device_type == "cuda":
         bf16 = torch.cuda.is_bf16_supported()
         if requested == "auto":
@@ -44,6 +46,15 @@ def resolve_precision(requested: str, device_type: str) -> tuple[str, str | None
     if requested == "fp16":
         return "no", f"fp16 needs a CUDA GPU; on {device_type} training runs in fp32"
     return requested, None
+
+
+def _scale_fp16_on_cpu(acc: Accelerator) -> None:
+    """Accelerate keeps fp16 for accelerators: on a CPU it leaves autocast and loss scaling off. Give
+    it what it gives a GPU (its `native_amp` autocast wrapping and torch's GradScaler for the
+    device), before anything is prepared, so that `prepare`, `backward`, `clip_grad_norm_`, the
+    optimizer's skipped steps and `save_state` run as on a GPU."""
+    acc.native_amp = True
+    acc.scaler = torch.amp.GradScaler("cpu")
 
 
 def _launcher_set_threads() -> bool:
@@ -78,10 +89,12 @@ def start(cfg) -> Launch:
     from .tracking import log_with
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    precision, note = resolve_precision(cfg.train.precision, device_type)
+    precision, note = resolve_precision(cfg.train.precision, device_type, cfg.debug.fp16_on_cpu)
     acc = Accelerator(mixed_precision=precision,
                       cpu=device_type == "cpu",  # without it Accelerate ignores a torchrun world on CPU
                       log_with=log_with(cfg), step_scheduler_with_optimizer=False)
+    if device_type == "cpu" and precision == "fp16":
+        _scale_fp16_on_cpu(acc)
     main = acc.is_main_process
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s", stream=sys.stderr)
     for noisy in ("accelerate", "datasets", "timm"):  # their per-save INFO lines drown the run's own
