@@ -47,6 +47,58 @@ def test_every_accelerate_config_loads(path):
     assert cfg.mixed_precision == "no"  # precision belongs to the recipe
 
 
+def _header_command(path) -> list[str]:
+    """The `accelerate launch --config_file ...` command a config's header comment shows, with its
+    continuation lines, as arguments after `accelerate launch` (PATH and the address kept as written)."""
+    import shlex
+
+    lines = [line.lstrip("# ").rstrip() for line in path.read_text().splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"accelerate launch --config_file {path.parent.name}/"))
+    text = ""
+    for line in lines[start:]:
+        text += " " + line.rstrip("\\")
+        if not line.endswith("\\"):
+            break
+    return shlex.split(text)[2:]
+
+
+# What each shipped config must launch: processes in all, machines, the launcher, FSDP2 or not.
+LAUNCHES = {"cpu": (1, 1, "simple", False), "single_gpu": (1, 1, "simple", False),
+            "multi_gpu": (8, 1, "torchrun", False), "multi_node": (16, 2, "torchrun", False),
+            "fsdp": (8, 1, "torchrun", True)}
+
+
+@pytest.mark.parametrize("path", ACCEL, ids=lambda p: p.stem)
+def test_every_accelerate_config_launches_what_its_header_says(path, monkeypatch):
+    """The header's own command through Accelerate's launcher arguments (what `accelerate launch`
+    would start: processes, machines, the environment the script gets), and the train arguments it
+    passes through vramfit's config. Only cpu.yaml can run here: test_train launches it."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    from vramfit.cli import parser
+
+    monkeypatch.chdir(REPO)
+    args = launch_command_parser().parse_args(_header_command(path))
+    args, _, _ = _validate_launch_command(args)
+    processes, machines, launcher, fsdp = LAUNCHES[path.stem]
+    assert (args.num_processes, args.num_machines) == (processes, machines)
+    if launcher == "simple":
+        assert not (args.multi_gpu or args.use_fsdp)
+        cmd, env = prepare_simple_launcher_cmd_env(args)
+        assert cmd[1] == "train.py" and env["ACCELERATE_USE_CPU"] == str(path.stem == "cpu")
+    else:
+        env = prepare_multi_gpu_env(args)
+        assert int(args.nproc_per_node) == processes // machines and int(getattr(args, "nnodes", None) or 1) == machines
+        if machines > 1:  # every machine meets the first one's address, as the header shows it
+            assert args.rdzv_endpoint.endswith(":29500") and args.node_rank == 0
+        assert (env.get("ACCELERATE_USE_FSDP") == "true", env.get("FSDP_VERSION")) == \
+            ((True, "2") if fsdp else (False, None))
+    assert env["ACCELERATE_MIXED_PRECISION"] == "no"  # the recipe's train.precision decides
+    ns = parser().parse_args(["train", *args.training_script_args])
+    assert build_config(getattr(ns, "recipe")).recipe  # the recipe it names is shipped
+
+
 def test_by_name_or_path_and_precedence(tmp_path):
     cfg = build_config("quickstart")
     assert cfg.data.source == "digits" and cfg.model.name == "resnet18"

@@ -69,3 +69,38 @@ def test_unknown_model_suggests():
     with pytest.raises(VramfitError) as e:
         create_model(ModelConfig(name="efficientnet_bO"), num_classes=4)
     assert "efficientnet_b0" in str(e.value)
+
+
+def test_channels_last_and_non_contiguous_weights_export_in_the_default_layout(tmp_path):
+    """A channels_last model (and any strided tensor) is written as
+    contiguous weights that plain timm loads in the default layout; the model itself stays as it
+    trains. Strided: a transposed-in-memory classifier weight."""
+    from safetensors.torch import load_file
+
+    from vramfit.models import data_config, export
+
+    model = create_model(ModelConfig(name="test_resnet", channels_last=True), num_classes=4, load_weights=False)
+    model.fc.weight = torch.nn.Parameter(model.fc.weight.detach().t().contiguous().t())
+    export(model, tmp_path / "m", list("abcd"), data_config(model, 32))
+    name, conv = next((n, p) for n, p in model.named_parameters() if p.dim() == 4)
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    assert not conv.is_contiguous() and not model.fc.weight.is_contiguous()
+    saved = load_file(tmp_path / "m" / "model.safetensors")
+    assert all(t.is_contiguous() for t in saved.values())
+    assert torch.equal(saved["fc.weight"], model.fc.weight)
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'm'}", pretrained=True).eval()
+    loaded_conv = loaded.get_parameter(name)
+    assert loaded_conv.is_contiguous() and torch.equal(loaded_conv, conv)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), model.eval()(x), atol=1e-5)
+
+
+def test_fixed_size_models_are_built_for_the_run_image_size():
+    """A ViT's position embeddings are built for the run's size (timm resamples pretrained ones as
+    it loads them); a CNN takes any size and is built as it is."""
+    vit = create_model(ModelConfig(name="test_vit"), num_classes=3, load_weights=False, image_size=64)
+    assert vit.patch_embed.img_size == (64, 64)
+    assert vit(torch.randn(1, 3, 64, 64)).shape == (1, 3)
+    cnn = create_model(ModelConfig(name="test_resnet"), num_classes=3, load_weights=False, image_size=64)
+    assert cnn(torch.randn(1, 3, 48, 48)).shape == (1, 3)
