@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks for a machine with a CUDA GPU (about 4 minutes on one H200).
+# The checks for a machine with a CUDA GPU (about 5 minutes on one H200).
 #
 #   OUT=results bash bench/gpu_check.sh
 #
@@ -10,7 +10,9 @@
 # docs/benchmarks.md records), throughput.json, throughput.log (the runs' own log lines); then
 # loader_memory.txt (the device memory a pinned loader with workers takes: docs/faq.md) and
 # data_throughput.txt (the loader against torchvision's, and the device stage's ms per batch);
-# empty_cache.txt (step time and memory with torch.cuda.empty_cache() after every step: docs/faq.md).
+# empty_cache.txt (step time and memory with torch.cuda.empty_cache() after every step: docs/faq.md);
+# recipe_rtx3060.txt/.json (the rtx3060 recipe for one short epoch with the allocator capped at its
+# 12 GB card, stopped and resumed, then exported: the measured peak against the plan).
 # Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,4 +50,6 @@ EOF
 $PY bench/loader_memory.py --workers 0 2 2>&1 | tee "$OUT/loader_memory.txt"
 $PY bench/data_throughput.py --cases a --repeats 1 2>&1 | tee "$OUT/data_throughput.txt"
 $PY bench/memory_check.py --empty-cache 2>&1 | tee "$OUT/empty_cache.txt"
+OUT="$OUT" $PY bench/recipe_run.py --recipe rtx3060 2>"$OUT/recipe_rtx3060.log" | tee "$OUT/recipe_rtx3060.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit "$status"

@@ -1,0 +1,114 @@
+"""A shipped GPU recipe as a user runs it, for one short epoch, on a card capped to the recipe's.
+
+    python bench/recipe_run.py --recipe rtx3060            # GPU; ~1 min on an H200
+    python bench/recipe_run.py --recipe rtx3060 --dry-run  # any machine: the command it would run
+
+The caching allocator is capped (torch.cuda.set_per_process_memory_fraction) at the recipe's card
+(`hardware.memory_gib`, as the card reports it), so a pick that does not fit a 12 GB RTX 3060 runs
+out of memory here too. The recipe trains on the built-in digits at its own image size (224 px),
+random weights (no download), its own micro-batch pick, precision, channels_last and augmentation:
+stopped after step 3 as SIGTERM would, resumed by the same command, then exported. Prints the planner's predicted peak against the
+measured device peak (summary.json's peak_memory_bytes, max_memory_reserved) and their ratio;
+writes $OUT/recipe_<name>.json ($OUT defaults to ./bench_out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="rtx3060")
+    ap.add_argument("--train-samples", type=int, default=1024, help="one short epoch of this many images")
+    ap.add_argument("--dry-run", action="store_true", help="print the command and the cap, run nothing")
+    return ap.parse_args(argv)
+
+
+def train_args(recipe: str, samples: int, output: Path) -> list[str]:
+    return ["train", "--recipe", recipe, "--data", "digits", "--epochs", "1", "--output", str(output),
+            "--run-name", recipe, "--set", "model.pretrained=false",
+            "--set", f"data.limit_train_samples={samples}", "--set", "data.limit_val_samples=256"]
+
+
+def cap_allocator(recipe: str) -> int | None:
+    """Cap this process's allocator at the recipe's card; returns the cap in bytes."""
+    import torch
+
+    from vramfit.config import build_config
+    from vramfit.planner import reported_total_bytes
+
+    gib = build_config(recipe).hardware.memory_gib
+    if gib is None or not torch.cuda.is_available():
+        return None
+    cap = reported_total_bytes(gib)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
+    return cap
+
+
+def device_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def vramfit(argv: list[str]) -> int:
+    """One vramfit command in this process (so the allocator cap holds), as its exit code."""
+    from vramfit.cli import main
+
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    try:
+        main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:  # the next command builds its own Accelerator, as a new process would
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(os.environ.get("OUT", "bench_out"))
+    runs = Path(tempfile.mkdtemp(prefix="vramfit-recipe-"))
+    argv_train = train_args(args.recipe, args.train_samples, runs)
+    if args.dry_run:
+        print("vramfit " + " ".join(argv_train))
+        return 0
+    if device_name() is None:
+        print("recipe_run: needs a CUDA GPU (use --dry-run to see the command)", file=sys.stderr)
+        return 2
+    cap = cap_allocator(args.recipe)
+    stopped = vramfit([*argv_train, "--set", "debug.signal_at_step=3"])
+    code = vramfit(argv_train) if stopped == 143 else stopped  # the same command resumes
+    run_dir = runs / args.recipe
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    exported = vramfit(["export", "--run", str(run_dir), "--format", "torchscript"]) if code == 0 else None
+    peak, predicted = summary.get("peak_memory_bytes"), summary.get("predicted_peak_memory_bytes")
+    result = {"recipe": args.recipe, "device": device_name(), "cap_bytes": cap,
+              "stop_exit_code": stopped, "exit_code": code, "export_exit_code": exported,
+              **{k: summary.get(k) for k in ("micro_batch", "grad_accum_steps", "precision", "oom_retries",
+                                             "images_per_second", "best_accuracy")},
+              "predicted_peak_bytes": predicted, "measured_peak_bytes": peak,
+              "predicted_over_measured": predicted / peak if peak and predicted else None}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"recipe_{args.recipe}.json").write_text(json.dumps(result, indent=1))
+    gib = 2**30
+    print(f"{args.recipe} on {result['device']} capped at {cap / gib if cap else float('nan'):.2f} GiB: exit {code}, "
+          f"micro {result['micro_batch']} x accum {result['grad_accum_steps']}, {result['precision']}, "
+          f"{result['oom_retries']} OOM retries, {result['images_per_second'] or 0:.0f} img/s; predicted peak "
+          f"{(predicted or 0) / gib:.2f} GiB, measured {(peak or 0) / gib:.2f} GiB"
+          + (f" ({result['predicted_over_measured']:.3f}x)" if result["predicted_over_measured"] else ""))
+    return 0 if stopped == 143 and code == 0 and exported == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
