@@ -178,35 +178,15 @@ def test_every_recipe_with_its_own_model(path, train_cli, tmp_path, photos, caps
     _end_to_end(path, train_cli, tmp_path, photos, capsys, own_model=True, image_size=64)
 
 
-def _launch(*args, cwd):
-    """The README's main command: `accelerate launch --config_file accel_configs/cpu.yaml train.py`."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(REPO / "accel_configs" / "cpu.yaml"), str(REPO / "train.py"), *args],
-                          cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True,
-                          timeout=300)
-
-
-def test_channels_last_quickstart_under_accelerate_launch_resumes_bitwise_and_exports(train_cli, tmp_path):
-    """The quickstart with `model.channels_last=true`: stopped mid-epoch, resumed through
-    `accelerate launch`, bitwise equal to an uninterrupted run; model/ holds contiguous weights
-    that plain timm loads, and it evaluates and exports."""
+def test_channels_last_quickstart_resumes_bitwise_and_exports(train_cli, tmp_path):
+    """The quickstart (its own ResNet18) with `model.channels_last=true`: stopped mid-epoch and
+    resumed, bitwise equal to an uninterrupted run; model/ holds contiguous weights that plain timm
+    loads, and it evaluates and exports. (test_train launches the quickstart through `accelerate
+    launch --config_file accel_configs/cpu.yaml`.)"""
     args = ["--recipe", "quickstart", "--epochs", "1", "--global-batch", "16", "--set", "model.channels_last=true",
             "--set", "data.limit_train_samples=64", "--set", "data.limit_val_samples=32",
             "--set", "data.num_workers=0", "--set", "train.log_every_steps=1"]
-    ref, code = train_cli(*args, run_name="ref")
-    assert code == 0
-    out = ["--output", str(tmp_path / "runs"), "--run-name", "cut"]
-    _, code = train_cli(*args, "--set", "debug.signal_at_step=2", run_name="cut", output=tmp_path / "runs")
-    assert code == 143
-    proc = _launch(*args, *out, cwd=tmp_path)
-    assert proc.returncode == 0 and "resum" in proc.stderr.lower(), proc.stderr[-2000:]
-    cut = tmp_path / "runs" / "cut"
+    ref, cut = _train_cut_and_resume(train_cli, args)
     _check_resumed_exactly(ref, cut, uses_ema=False)
     _check_model_folder(cut, uses_ema=False)
     _check_commands(cut, tmp_path, image_size=32)  # eval, export (every writer reads model/)
