@@ -4,8 +4,7 @@ import json
 import pytest
 
 from vramfit import doctor as D
-from vramfit.cli import main, run
-from vramfit.config import build_config
+from vramfit.cli import main, resolve_config, run
 
 GiB = 2**30
 
@@ -33,17 +32,17 @@ def test_auto_picks_the_recipe_for_the_card(reported, bf16, recipe, sets):
 
 def test_auto_without_a_gpu_is_the_quickstart(monkeypatch, capsys):
     monkeypatch.setattr(D, "detect_cards", lambda with_free=False: [])
-    cfg = build_config("auto")
+    cfg = resolve_config("auto")
     assert cfg.recipe == "quickstart" and cfg.data.source == "digits"
     assert "--recipe auto -> quickstart" in capsys.readouterr().err
 
 
 def test_auto_on_a_card_without_bf16_and_the_users_own_set_wins(monkeypatch, capsys):
     monkeypatch.setattr(D, "detect_cards", lambda with_free=False: [card(15.78, False, "Tesla V100-PCIE-16GB")])
-    cfg = build_config("auto")
+    cfg = resolve_config("auto")
     assert (cfg.recipe, cfg.train.precision, cfg.model.name) == ("rtx3060", "fp16", "resnet50")
     assert "no bf16" in capsys.readouterr().err
-    assert build_config("auto", sets=["train.precision=fp32"]).train.precision == "fp32"
+    assert resolve_config("auto", sets=["train.precision=fp32"]).train.precision == "fp32"
 
 
 def test_doctor_runs_without_a_gpu_and_says_so(capsys, tmp_path):

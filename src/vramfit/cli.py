@@ -130,13 +130,24 @@ def _flags(ns: argparse.Namespace) -> dict:
 
 
 def _config(ns):
-    from .config import build_config
-
     flags = _flags(ns)
     for k in ("output", "run_name", "resume"):
         if getattr(ns, k, None) is not None:
             flags[k] = getattr(ns, k)
-    return build_config(getattr(ns, "recipe", None), ns.sets, flags)
+    return resolve_config(getattr(ns, "recipe", None), ns.sets, flags)
+
+
+def resolve_config(recipe: str | None = None, sets: list[str] | None = None, flags: dict | None = None):
+    """`config.build_config`, with `--recipe auto` first resolved here (the recipe for this
+    machine's card, with its overrides: vramfit.doctor), so that the config layer never looks at
+    the hardware."""
+    from .config import build_config
+
+    if recipe == "auto":
+        from .doctor import resolve_auto
+
+        recipe, sets = resolve_auto(list(sets or []))
+    return build_config(recipe, sets, flags)
 
 
 def run(argv: list[str]) -> int:

@@ -328,11 +328,8 @@ def _explain(err: ValidationError) -> VramfitError:
 
 def build_config(recipe: str | None = None, sets: list[str] | None = None,
                  flags: dict[str, Any] | None = None) -> Config:
-    """Resolve the config. `flags` maps dotted keys to values given as explicit CLI flags."""
-    if recipe == "auto":  # the recipe for this machine's card (vramfit.doctor), with its overrides
-        from .doctor import resolve_auto
-
-        recipe, sets = resolve_auto(list(sets or []))
+    """Resolve the config. `flags` maps dotted keys to values given as explicit CLI flags.
+    `--recipe auto` is resolved before this, by `cli.resolve_config`."""
     tree: dict[str, Any] = load_recipe(recipe) if recipe else {}
     tree = deep_merge(tree, parse_set(sets or []))
     for dotted, value in (flags or {}).items():
