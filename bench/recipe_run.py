@@ -7,8 +7,8 @@ The caching allocator is capped (torch.cuda.set_per_process_memory_fraction) at 
 (`hardware.memory_gib`, as the card reports it), so a pick that does not fit a 12 GB RTX 3060 runs
 out of memory here too. The recipe trains on the built-in digits at its own image size (224 px),
 random weights (no download), its own micro-batch pick, precision, channels_last and augmentation:
-stopped after step 3 as SIGTERM would, resumed by the same command, then exported. Prints the planner's predicted peak against the
-measured device peak (summary.json's peak_memory_bytes, max_memory_reserved) and their ratio;
+stopped after step 3 as SIGTERM would, resumed by the same command, then exported. Prints the
+planner's predicted peak against the measured device peak (summary.json's peak_memory_bytes, max_memory_reserved) and their ratio;
 writes $OUT/recipe_<name>.json ($OUT defaults to ./bench_out).
 """
 
@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="rtx3060")
     ap.add_argument("--train-samples", type=int, default=1024, help="one short epoch of this many images")
-    ap.add_argument("--dry-run", action="store_true", help="print the command and the cap, run nothing")
+    ap.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     return ap.parse_args(argv)
 
 
@@ -61,17 +61,14 @@ def device_name() -> str | None:
 def vramfit(argv: list[str]) -> int:
     """One vramfit command in this process (so the allocator cap holds), as its exit code."""
     from vramfit.cli import main
-
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from vramfit.launch import forget
 
     try:
         main(argv)
     except SystemExit as e:
         return int(e.code or 0)
     finally:  # the next command builds its own Accelerator, as a new process would
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
+        forget()
     return 0
 
 

@@ -87,8 +87,6 @@ def stand_in(run_dir: Path, name: str) -> Path:
 
 def reset_accelerate() -> None:
     """As a new process would: the next Accelerator starts from its own settings."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from vramfit.launch import forget
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    forget()

@@ -72,8 +72,6 @@ def python_cmd():
 def _fresh_accelerate_state():
     """Each in-process run builds its own Accelerator (precision, cpu) as a new process would."""
     yield
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from vramfit.launch import forget
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    forget()

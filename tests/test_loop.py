@@ -107,10 +107,10 @@ def test_a_full_disk_mid_run_says_so_keeps_the_last_checkpoint_and_resumes(train
     import errno
 
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from vramfit import checkpoint
     from vramfit.cli import main
+    from vramfit.launch import forget
 
     real, calls = Accelerator.save_state, [0]
 
@@ -129,9 +129,7 @@ def test_a_full_disk_mid_run_says_so_keeps_the_last_checkpoint_and_resumes(train
     assert e.value.code == 2 and "the disk is full" in err and "step-10" in err and "Traceback" not in err
     assert [s for s, _ in checkpoint.list_steps(out / "full" / "checkpoints")] == [10]
     monkeypatch.setattr(Accelerator, "save_state", real)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    forget()
     run_dir, code = train_cli(*args, run_name="full", output=out)
     assert code == 0 and json.loads((run_dir / "summary.json").read_text())["global_step"] == 30
 

@@ -43,8 +43,9 @@ def reference(tmp_path_factory):
         run(["train", *ARGS, "--output", str(out), "--run-name", "ref"])
     except SystemExit as e:
         assert e.code == 0
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    AcceleratorState._reset_state(True); GradientState._reset_state(); PartialState._reset_state()
+    from vramfit.launch import forget
+
+    forget()
     return out / "ref"
 
 

@@ -48,6 +48,17 @@ def resolve_precision(requested: str, device_type: str, fp16_on_cpu: bool = Fals
     return requested, None
 
 
+def forget() -> None:
+    """Forget this process's Accelerate state, so that the next run in the same process (a test,
+    a bench running several commands) builds its own Accelerator, precision and device, as a new
+    process would. Accelerate keeps them in process-wide singletons that only these reset."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
 def _scale_fp16_on_cpu(acc: Accelerator) -> None:
     """Accelerate keeps fp16 for accelerators: on a CPU it leaves autocast and loss scaling off. Give
     it what it gives a GPU (its `native_amp` autocast wrapping and torch's GradScaler for the
