@@ -8,7 +8,7 @@
 
 Part 1 (accuracy): ResNet50, EfficientNet-B0, ResNet18 x {fp32, bf16, fp16} x grad checkpointing
 {off, on} x micro-batch {32, 64, 128} at 224 px, AdamW, clip 1.0, label smoothing 0.1 -- the step
-`engine.train_step` runs (autocast forward, fp32 logits, summed cross-entropy, backward, clip,
+`engine.TrainStep` runs (autocast forward, fp32 logits, summed cross-entropy, backward, clip,
 optimizer step, zero_grad), on synthetic data, micro-batch = per-process batch. Two warm steps, then
 one measured: measured peak = torch.cuda.max_memory_reserved + the CUDA context (device memory in
 use per `torch.cuda.mem_get_info` minus what the caching allocator holds, minus what other

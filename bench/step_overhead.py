@@ -2,7 +2,7 @@
 
 Baseline: the loop of Accelerate's examples (forward, `accelerator.backward(loss / accum)`,
 `clip_grad_norm_`, `optimizer.step()`, `zero_grad()`, micro-batches under `no_sync`).
-Ours: `engine.train_step` on the same model, data and optimizer settings, which adds the per-step
+Ours: `engine.TrainStep` on the same model, data and optimizer settings, which adds the per-step
 safety: the out-of-memory / non-finite flag, the copy of BatchNorm statistics and RNG state an
 interrupted or retried step is undone with, the gradient-norm check and the loss bookkeeping.
 Both run the same number of steps, interleaved, best of `--repeats`; the ratio is ours / baseline

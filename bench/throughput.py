@@ -1,9 +1,10 @@
 """Images/second of vramfit's training step against a plain Accelerate + timm loop, same process.
 
 Ours:     the step as `vramfit train` builds it: launch.start (Accelerate, precision, TF32, cuDNN
-          benchmark), setup.build_model (vramfit.models.create_model, channels_last when asked),
-          setup.prepare_training (vramfit.optim.create_optimizer, `prepare_model(evaluation_mode=
-          True)` + `prepare_optimizer`), setup.compile_model, engine.TrainStep.
+          benchmark), then setup.build_training, the same assembly `vramfit train` runs
+          (vramfit.models.create_model with channels_last when asked, vramfit.optim, `prepare_model(
+          evaluation_mode=True)` + `prepare_optimizer`, the micro-batch plan, torch.compile when
+          asked, engine.TrainStep) without the data.
 Baseline: timm.create_model + timm's AdamW, `accelerator.prepare(model, optimizer)`, then per step
           forward, cross-entropy, `accelerator.backward`, clip (as Accelerate's examples do when they
           clip; both loops clip at the trainer's default unless --clip-grad-norm 0), step, zero_grad.
@@ -78,22 +79,18 @@ def build_ours(args, model_name: str, precision: str):
 
     from vramfit import launch, setup
     from vramfit.config import Config
-    from vramfit.engine import TrainStep
 
     cfg = Config.model_validate({
         "model": {"name": model_name, "channels_last": args.channels_last},
         "data": {"image_size": args.image_size},
-        "train": {"precision": precision, "global_batch": args.batch, "compile": args.compile,
-                  "clip_grad_norm": args.clip_grad_norm or None}})
+        "train": {"precision": precision, "global_batch": args.batch, "micro_batch": args.batch,
+                  "compile": args.compile, "clip_grad_norm": args.clip_grad_norm or None}})
     L = launch.start(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, _ = setup.build_model(cfg, L, args.num_classes)
-    model, optimizer, _, _ = setup.prepare_training(cfg, L, model, steps_per_epoch=args.steps)
-    model = setup.compile_model(cfg, L, model)
-    step = TrainStep(L.acc, model, optimizer, args.batch, label_smoothing=cfg.train.label_smoothing,
-                     clip_grad_norm=cfg.train.clip_grad_norm, check_grad_norm=L.precision != "fp16")
-    return L, cfg, lambda x, y: step(x, y, args.batch)
+    classes = [str(i) for i in range(args.num_classes)]
+    training = setup.build_training(cfg, L, classes, steps_per_epoch=args.steps)
+    return L, cfg, lambda x, y: training.step(x, y, args.batch)
 
 
 def build_plain(args, acc, model_name: str, label_smoothing: float):
@@ -146,7 +143,7 @@ def measure(args, precision: str) -> list[dict]:
             for name in (("plain", "vramfit") if rep % 2 == 0 else ("vramfit", "plain")):
                 seconds = run_steps(loops[name], x, y, args.steps, L.acc.device)
                 best[name] = max(best[name], args.batch * args.steps / seconds)
-        results.append({"model": model_name, "precision": "fp32" if L.precision == "no" else L.precision,
+        results.append({"model": model_name, "precision": L.precision.name,
                         "plain": best["plain"], "vramfit": best["vramfit"],
                         "ratio": best["vramfit"] / best["plain"], "device": device_name(L.acc.device),
                         "threads": torch.get_num_threads()})

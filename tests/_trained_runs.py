@@ -16,7 +16,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import tiny_args
+from helpers import tiny_args
+from vramfit.launch import forget
 
 
 @dataclass
@@ -50,7 +51,7 @@ def trained_run(name: str = "a") -> Run:
     except (Exception, SystemExit) as e:  # noqa: BLE001 - any trainer failure: fall back, say so
         reason = f"{type(e).__name__}: {e}"
     finally:
-        reset_accelerate()
+        forget()
     warnings.warn(f"training the tiny run `{name}` failed ({reason}); using a stand-in run folder")
     return Run(stand_in(out / name, name), False)
 
@@ -85,8 +86,3 @@ def stand_in(run_dir: Path, name: str) -> Path:
     return run_dir
 
 
-def reset_accelerate() -> None:
-    """As a new process would: the next Accelerator starts from its own settings."""
-    from vramfit.launch import forget
-
-    forget()

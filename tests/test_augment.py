@@ -5,17 +5,16 @@ import json
 import pytest
 import torch
 
-from conftest import HOST_READS, HostReads, tiny_args
+from helpers import HOST_READS, MEAN_STD, HostReads, tiny_args
 from vramfit import data as D
 from vramfit.augment import DeviceAugment
 from vramfit.config import DataConfig
 
-DATA_CFG = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
 
 
 def device_augment(cfg: DataConfig, num_classes=5, label_smoothing=0.0, seed=0, rank=0, device_type="cuda"):
     """The run's DeviceAugment; `device_type` is the run's (where `auto` puts the colour jitter)."""
-    return DeviceAugment(cfg, num_classes, label_smoothing, seed, rank, **DATA_CFG, device_type=device_type)
+    return DeviceAugment(cfg, num_classes, label_smoothing, seed, rank, **MEAN_STD, device_type=device_type)
 
 
 def batch(n=6, size=16, seed=0):
@@ -27,9 +26,9 @@ def batch(n=6, size=16, seed=0):
 def test_normalizer_matches_the_reference_and_keeps_the_input():
     x, _ = batch()
     keep = x.clone()
-    out = D.normalizer(DATA_CFG, "cpu", channels_last=True)(x)
-    mean = torch.tensor(DATA_CFG["mean"]).view(1, 3, 1, 1)
-    std = torch.tensor(DATA_CFG["std"]).view(1, 3, 1, 1)
+    out = D.normalizer(MEAN_STD, "cpu", channels_last=True)(x)
+    mean = torch.tensor(MEAN_STD["mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(MEAN_STD["std"]).view(1, 3, 1, 1)
     torch.testing.assert_close(out, (x.float() / 255 - mean) / std, rtol=0, atol=1e-5)
     assert out.dtype == torch.float32 and out.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(x, keep)
@@ -87,9 +86,9 @@ def test_color_jitter_is_torchvisions_per_sample():
     assert all(sorted(o) == [0, 1, 2] for o in order.tolist())
     assert len({tuple(o) for o in order.tolist()}) > 1  # orders differ between samples
     for layout in (True, False):
-        norm = D.normalizer(DATA_CFG, "cpu", channels_last=layout)
+        norm = D.normalizer(MEAN_STD, "cpu", channels_last=layout)
         images = norm(x)
-        jitter = ColorJitter(**DATA_CFG)
+        jitter = ColorJitter(**MEAN_STD)
         jitter.apply(images, params)
         expected = norm((_torchvision_jitter(x.float() / 255, factors, order) * 255))
         torch.testing.assert_close(images, expected, rtol=0, atol=1e-4)
@@ -111,7 +110,7 @@ def test_color_jitter_is_placed_where_it_is_cheapest_and_needs_the_samples_param
     assert on(DataConfig(auto_augment="rand-m9-mstd0.5"), "cuda") is None
     assert on(DataConfig(auto_augment="3a"), "cuda") == "device"
     assert device_augment(DataConfig(), device_type="cpu").jitter is None
-    data_cfg = {**DATA_CFG, "input_size": (3, 32, 32)}
+    data_cfg = {**MEAN_STD, "input_size": (3, 32, 32)}
 
     def jitters(device_type):
         train, _ = D.build_transforms(DataConfig(image_size=32), data_cfg, device_type)
@@ -119,7 +118,7 @@ def test_color_jitter_is_placed_where_it_is_cheapest_and_needs_the_samples_param
 
     assert jitters("cpu") and not jitters("cuda")
     aug = device_augment(DataConfig())  # the default, 0.4, on the device
-    images = D.normalizer(DATA_CFG, "cpu", channels_last=False)(batch(n=4)[0])
+    images = D.normalizer(MEAN_STD, "cpu", channels_last=False)(batch(n=4)[0])
     params = torch.stack([D.jitter_params(0.4) for _ in range(4)])
     out, _ = aug(images.clone(), torch.zeros(4, dtype=torch.long), epoch=0, step=1, jitter=params)
     assert not torch.equal(out, images)

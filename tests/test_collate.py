@@ -6,9 +6,9 @@ import torch
 import torchvision.transforms.functional as F
 from PIL import Image
 
+from helpers import MEAN_STD
 from vramfit import data as D
 
-DATA_CFG = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
 
 
 def samples():
@@ -31,7 +31,7 @@ def test_normalizer_gives_the_model_its_memory_format():
     items, images = samples()
     batch = D.collate(items, image_size=8)
     for channels_last in (False, True):
-        x = D.normalizer(DATA_CFG, "cpu", channels_last)(batch.images)
-        expected = D.normalizer(DATA_CFG, "cpu", channels_last)(torch.stack(images))
+        x = D.normalizer(MEAN_STD, "cpu", channels_last)(batch.images)
+        expected = D.normalizer(MEAN_STD, "cpu", channels_last)(torch.stack(images))
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         assert x.is_contiguous(memory_format=fmt) and torch.equal(x, expected)

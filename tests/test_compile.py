@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import timm
 
-from conftest import tiny_args
+from helpers import tiny_args
 from vramfit.config import build_config
 from vramfit.setup import compile_model
 

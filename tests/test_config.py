@@ -152,11 +152,13 @@ def test_fp32_is_one_precision_by_any_name(given):
     """`--precision fp32` is what Accelerate calls `no`; either way the config, the run name and
     Accelerate agree (YAML reads a bare `no` as false: that is fp32 too)."""
     from vramfit.cli import parser
-    from vramfit.config import accelerate_precision
+    from vramfit.precision import planned, resolve
 
     cfg = build_config("quickstart", sets=[f"train.precision={given}"])
-    assert cfg.train.precision == "fp32" and "-fp32-" in cfg.resolved_run_name()
-    assert accelerate_precision(cfg.train.precision) == "no" and accelerate_precision("bf16") == "bf16"
+    from vramfit.runfolder import RunPaths
+
+    assert cfg.train.precision == "fp32" and "-fp32-" in RunPaths.of(cfg, resolve(cfg.train.precision, "cpu").name).name
+    assert resolve(cfg.train.precision, "cpu").accelerate == "no" and planned("bf16").accelerate == "bf16"
     if given != "32":
         ns = parser().parse_args(["train", "--precision", given])
         assert build_config(None, flags={"train.precision": vars(ns)["train.precision"]}).train.precision == "fp32"

@@ -10,78 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers import (BAD_KINDS, DATA_CFG_32, bad_file, cfg, class_tree, encode, metrics, picture, save,
+                     train_args, transforms_32, write_bytes)
 from vramfit import data as D
 from vramfit.config import DataConfig
 from vramfit.errors import VramfitError
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
-
-
-# ---- generated data ---------------------------------------------------------------------------
-
-
-def encode(img: Image.Image, fmt: str, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, fmt, **kw)
-    return buf.getvalue()
-
-
-def picture(w: int, h: int, seed: int, mode: str = "RGB") -> Image.Image:
-    """A gradient in a class-ish colour plus noise: compresses like a photo, not like flat colour."""
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 256, 3)
-    ramp = np.linspace(0, 80, w)[None, :, None]
-    a = np.clip(base[None, None, :] + ramp + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
-    img = Image.fromarray(a)
-    return img if mode == "RGB" else img.convert(mode)
-
-
-def save(path: Path, img: Image.Image, fmt: str | None = None) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path, fmt) if fmt else img.save(path)
-    return path
-
-
-def write_bytes(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
-
-
-def class_tree(root: Path, counts: dict[str, int], size=(24, 20), seed=0, ext=".png") -> Path:
-    for c, n in counts.items():
-        for i in range(n):
-            save(root / c / f"{i:03d}{ext}", picture(*size, seed=seed * 1000 + hash(c) % 997 + i))
-    return root
-
-
-BAD_KINDS = ("zero-byte", "truncated-jpeg", "random-bytes", "truncated-png")
-
-
-def bad_file(path_dir: Path, kind: str) -> Path:
-    if kind == "zero-byte":
-        return write_bytes(path_dir / "zero.jpg", b"")
-    if kind == "truncated-jpeg":
-        return write_bytes(path_dir / "cut.jpg", encode(picture(64, 48, 1), "JPEG")[:600])
-    if kind == "random-bytes":
-        return write_bytes(path_dir / "noise.jpg", np.random.default_rng(2).bytes(3000))
-    if kind == "truncated-png":
-        return write_bytes(path_dir / "cut.png", encode(picture(64, 48, 3), "PNG")[:400])
-    raise ValueError(kind)
-
-
-def cfg(source, **kw) -> DataConfig:
-    return DataConfig(source=str(source), **kw)
-
-
-def train_args(data, out, *extra):
-    return ["--data", str(data), "--model", "test_resnet", "--image-size", "32", "--epochs", "1",
-            "--global-batch", "8", "--set", "data.num_workers=0", *extra]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # ---- image folders ------------------------------------------------------------------------------
@@ -298,11 +234,7 @@ MODE_FILES = [("1", "PNG"), ("L", "PNG"), ("LA", "PNG"), ("P", "PNG"), ("RGBA", 
 
 @pytest.fixture(scope="module")
 def transforms():
-    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-
-    data_cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
-                "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
-    return D.build_transforms(DataConfig(image_size=32), data_cfg)
+    return transforms_32()
 
 
 def test_every_mode_comes_out_3_channel_uint8(transforms):
@@ -426,16 +358,13 @@ def test_batches_arrive_in_pinned_memory(small_folder, transforms):
 
 def test_build_loaders_gives_the_run_its_loaders(small_folder):
     from accelerate import Accelerator
-    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
     from vramfit.config import build_config
 
     c = build_config(None, ["data.num_workers=0", "model.channels_last=true"],
                      {"data.source": str(small_folder), "data.image_size": 32, "train.global_batch": 8})
     splits = D.load_splits(c.data)
-    data_cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
-                "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
-    loaders = D.build_loaders(c, splits, data_cfg, Accelerator(cpu=True), eval_batch=5)
+    loaders = D.build_loaders(c, splits, DATA_CFG_32, Accelerator(cpu=True), eval_batch=5)
     assert loaders.workers == 0 and len(loaders.train) == len(loaders.sampler) == 3  # 21 train images: 8 + 8 + 5
     batch = next(iter(loaders.train))
     assert batch.step_samples == 8 and batch.images.shape == (8, 3, 32, 32)
@@ -464,7 +393,6 @@ def test_num_workers_auto_is_measured_on_a_cpu_run(small_folder, monkeypatch):
     """`auto`: a fixed count is kept; an accelerator gets its CPUs less one; a CPU run measures
     loading (the run's own first samples) against the compute time it is given, and says so."""
     from accelerate import Accelerator
-    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
     from vramfit.config import build_config
     from vramfit.data import workers as W
@@ -479,8 +407,7 @@ def test_num_workers_auto_is_measured_on_a_cpu_run(small_folder, monkeypatch):
     assert not W.measures_workers(DataConfig(), "cpu", 4)  # 4 processes on 4 CPUs: none to spare
     assert not W.measures_workers(DataConfig(num_workers=2), "cpu", 1)
     c = build_config(None, [], {"data.source": str(small_folder), "data.image_size": 32, "train.global_batch": 8})
-    data_cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
-                "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
+    data_cfg = DATA_CFG_32
     splits = D.load_splits(c.data)
     rng = torch.get_rng_state()
     cheap = D.build_loaders(c, splits, data_cfg, Accelerator(cpu=True), eval_batch=5, compute_seconds=10.0)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from test_data import cfg, class_tree, train_args
+from helpers import cfg, class_tree, train_args, transforms_32
 from vramfit import data as D
 from vramfit.errors import VramfitError
 
@@ -158,10 +158,4 @@ def test_prepare_keeps_a_test_split_as_test_not_as_validation(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def transforms():
-    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-
-    from vramfit.config import DataConfig
-
-    data_cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": IMAGENET_DEFAULT_MEAN,
-                "std": IMAGENET_DEFAULT_STD, "crop_pct": 0.875}
-    return D.build_transforms(DataConfig(image_size=32), data_cfg)
+    return transforms_32()

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import REPO
+from helpers import REPO
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from conftest import HostReads
+from helpers import HostReads
 
 from vramfit.config import ModelConfig, OptimConfig
 from vramfit.engine import MicroBatchExhausted, TrainStep

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 PROBE = "import torch\nfrom vramfit.launch import set_threads\nprint('THREADS', set_threads(1), torch.get_num_threads())\n"
 

@@ -4,7 +4,7 @@ private names."""
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 SRC = REPO / "src"
 MAX_FUNCTION_LINES = 80

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import tiny_args
+from helpers import tiny_args
 
 
 def _records(run_dir, kind):
@@ -152,17 +152,18 @@ def test_a_fixed_micro_batch_that_will_not_fit_is_said_at_start_with_one_that_do
 
     from vramfit import batching, setup
     from vramfit.config import Config
+    from vramfit.precision import resolve
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=12 * 2**30))
     cfg = Config.model_validate({"model": {"name": "resnet50"}, "data": {"image_size": 224},
                                  "train": {"global_batch": 256, "micro_batch": 256, "precision": "bf16"}})
-    L = SimpleNamespace(device_type="cuda", acc=SimpleNamespace(device="cuda:0"), precision="bf16", world=1)
+    L = SimpleNamespace(device_type="cuda", acc=SimpleNamespace(device="cuda:0"), world=1,
+                        precision=resolve("bf16", "cuda", bf16_supported=True))
     mb = batching.resolve_micro_batch(256, 256)
-    plan = {"predicted_peak_bytes": 40 * 2**30}
-    (note,) = setup.fit_notes(cfg, L, 10, mb, plan)
+    (note,) = setup.fit_notes(cfg, L, 10, mb, 40 * 2**30)
     assert "micro-batch 256 is predicted to need 40.00 GiB" in note and "--micro-batch " in note
     fits = int(note.split("--micro-batch ")[1].split()[0])
     assert 16 <= fits < 256
     auto = batching.resolve_micro_batch("auto", 256, pick=lambda share: fits)
-    (said,) = setup.fit_notes(cfg, L, 10, auto, {"predicted_peak_bytes": 9 * 2**30})
+    (said,) = setup.fit_notes(cfg, L, 10, auto, 9 * 2**30)
     assert f"micro-batch {fits} picked for this card: predicted peak 9.00 GiB" in said

@@ -14,13 +14,13 @@ def test_lr_find_on_the_quickstart(tmp_path, monkeypatch):
     12.5 steps a decade), so it diverges and stops before the end."""
     kept = {}
 
-    def setup(cfg, device):
-        model, optimizer, batches = setup_run(cfg, device)
-        kept["model"], kept["before"] = model, {k: v.clone() for k, v in model.state_dict().items()}
-        return model, optimizer, batches
+    def build(cfg):
+        run, batches = build_run(cfg)
+        kept["model"], kept["before"] = run.model, {k: v.clone() for k, v in run.model.state_dict().items()}
+        return run, batches
 
-    setup_run = lrfind._setup
-    monkeypatch.setattr(lrfind, "_setup", setup)
+    build_run = lrfind.build
+    monkeypatch.setattr(lrfind, "build", build)
     torch.manual_seed(0)
     cfg = build_config("quickstart")
     out = io.StringIO()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_args
+from helpers import tiny_args
 from vramfit import checkpoint
 from vramfit.errors import VramfitError
 from vramfit.memory import cached, search, store

@@ -71,6 +71,31 @@ def test_mlp_backward_peak_matches_hand_count():
     assert est.grads_bytes == r(C * H * 4) + r(C * 4)
 
 
+def test_the_plan_follows_the_step_the_trainer_runs(monkeypatch):
+    """The planner traces engine.StepMaths, the step definition TrainStep runs: a loss that keeps
+    a wider fp32 log-softmax for its backward moves the plan by at least what it keeps, with no
+    change to the planner."""
+    import torch.nn.functional as F
+
+    from vramfit import engine
+
+    B, C, WIDEN = 8, 1000, 64
+    cfg = cfg_of(model={"name": "test_resnet"}, data={"image_size": 32}, train={"global_batch": B, **NO_EXTRAS})
+
+    def keeps_more(logits, y, label_smoothing):
+        return F.cross_entropy(logits.float().repeat(1, WIDEN), y, reduction="sum")
+
+    P.clear_profiles()
+    before = P.estimate(cfg, C, B)
+    monkeypatch.setattr(engine, "cross_entropy_sum", keeps_more)
+    assert engine.step_maths(cfg.train).loss_fn is keeps_more  # what TrainStep is built with (setup)
+    P.clear_profiles()
+    after = P.estimate(cfg, C, B)
+    P.clear_profiles()
+    kept = r(B * C * WIDEN * 4)  # the log-softmax cross_entropy saves for backward
+    assert after.allocated_bytes - before.allocated_bytes >= kept, (before.allocated_bytes, after.allocated_bytes)
+
+
 def test_mlp_optimizer_peak_matches_hand_count():
     B, D, H, C = 64, 3 * 32 * 32, 512, 10
     cfg = cfg_of(data={"image_size": 32}, train={"global_batch": B, **NO_EXTRAS})
@@ -170,8 +195,9 @@ def test_breakdown_matches_the_real_model_on_cpu():
         loss = nn.functional.cross_entropy(logits, y, reduction="sum", label_smoothing=0.1)
     saved.pop(x.untyped_storage().data_ptr())  # the input batch and labels are the INPUT line
     saved.pop(y.untyped_storage().data_ptr())
-    # Alive at the end of the forward: what autograd saved, + the logits and the loss themselves.
-    real = sum(r(n) for n in saved.values()) + r(logits.nbytes) + r(loss.nbytes)
+    # Alive at the end of the forward: what autograd saved, + the logits, the loss and the loss over
+    # the step's samples (engine.StepMaths hands that to backward).
+    real = sum(r(n) for n in saved.values()) + r(logits.nbytes) + r(loss.nbytes) + r((loss / B).nbytes)
     assert P.get_profile(cfg, 100, "no").live_at_end_of_forward(B)[P.ACT] == real
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_args
+from helpers import tiny_args
 from vramfit import checkpoint
 
 

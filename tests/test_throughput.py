@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from conftest import REPO
+from helpers import REPO
 
 
 def load_bench():

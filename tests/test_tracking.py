@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from _trained_runs import reset_accelerate
-from conftest import REPO
+from helpers import REPO, tiny_args
+from vramfit.launch import forget
 
 CLASSES = [str(i) for i in range(10)]
 
@@ -58,10 +58,9 @@ def _history(recs) -> list[dict]:
 
 def _train(out, *extra):
     """A real tiny run through the run loop, with W&B (offline) and TensorBoard on."""
-    from conftest import tiny_args
     from vramfit.cli import run
 
-    reset_accelerate()
+    forget()
     try:
         code = run(["train", *tiny_args("--tracker", "wandb,tensorboard", *extra), "--output", str(out),
                     "--run-name", "tracked"])
@@ -70,7 +69,7 @@ def _train(out, *extra):
     import wandb
 
     wandb.teardown()  # wandb's service writes the run file after `finish`; the tests read it next
-    reset_accelerate()
+    forget()
     return code
 
 
@@ -94,8 +93,9 @@ def test_offline_wandb_run_holds_config_metrics_eval_views_and_summary(tracked):
     (run,) = recs["run"]
     assert run.run_id == run_id and run.display_name == run_dir.name
     assert run.run_group == "digits"  # grouped by dataset
-    assert {"model:test_resnet", "device:cpu"} <= set(run.tags)
+    assert {"model:test_resnet", "device:cpu", "precision:fp32"} <= set(run.tags)  # what ran, not `auto`
     config = {u.key: json.loads(u.value_json) for c in recs["config"] for u in c.update}
+    assert (config["train"]["precision"], config["train"]["requested_precision"]) == ("fp32", "auto")
     assert config["model"]["name"] == "test_resnet" and config["train"]["global_batch"] == 16
     assert config["plan"]["micro_batch"] == 16 and config["env"]["torch"] == torch.__version__
     assert sorted(h["_step"] for h in _history(recs) if "loss" in h) == [1, 10]
@@ -141,7 +141,12 @@ def test_tensorboard_is_a_second_tracker(tracked):
             tags[kind] |= set(acc.Tags()[kind])
     assert {"loss", "val_accuracy", "val_class_accuracy/3", "summary/best_accuracy"} <= tags["scalars"]
     assert {"val/confusion_matrix", "val/misclassified"} <= tags["images"]
-    assert list(tb.glob("*/hparams.yml"))  # the flattened config, with the plan and environment
+    segments = list(tb.glob("*/hparams.yml"))  # the flattened config, with the plan and environment
+    assert len(segments) == 2  # the interrupted run and its resume
+    for hparams in segments:
+        flat = yaml.safe_load(hparams.read_text())  # plain values only: safe_load reads it
+        assert (flat["train/precision"], flat["train/requested_precision"]) == ("fp32", "auto")
+        assert flat["env/torch"] == torch.__version__
 
 
 def test_tracker_setting():
@@ -165,8 +170,9 @@ def test_dataset_group_and_tags(tmp_path):
     assert dataset_group("uoft-cs/cifar10") == "uoft-cs/cifar10"
     cfg = build_config("rtx3060", [], {})
     gpu = {"device": "cuda:0", "device_names": ["NVIDIA GeForce RTX 3060"] * 2, "num_processes": 2}
-    assert "device:2x NVIDIA GeForce RTX 3060" in run_tags(cfg, gpu)
-    assert all(len(t) <= 64 for t in run_tags(cfg.model_copy(update={"recipe": "r" * 200}), gpu))
+    tags = run_tags(cfg, gpu, "bf16")
+    assert "device:2x NVIDIA GeForce RTX 3060" in tags and "precision:bf16" in tags
+    assert all(len(t) <= 64 for t in run_tags(cfg.model_copy(update={"recipe": "r" * 200}), gpu, "bf16"))
 
 
 def test_misclassified_are_the_most_confident_mistakes():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, tiny_args
+from helpers import REPO, tiny_args
 
 SUMMARY_KEYS = {"best_accuracy", "final_accuracy", "epochs", "global_step", "global_batch", "micro_batch",
                 "grad_accum_steps", "num_processes", "precision", "images_per_second", "peak_memory_bytes",

@@ -118,6 +118,13 @@ class MicroBatch:
                 "micro_batch_note": self.note}
 
 
+def eval_batch(configured: int | None, micro: MicroBatch) -> int:
+    """Samples per evaluation forward (`train.eval_batch`, or): evaluation keeps no activations for
+    backward, no gradients and no optimizer state, so the training micro-batch always fits, and up
+    to the whole share (at most 256) usually does."""
+    return configured or max(micro.size, min(micro.per_process_batch, 256))
+
+
 def resolve_micro_batch(requested: int | str | None, per_process: int, *,
                         pick: Callable[[int], int] | None = None,
                         resumed: int | None = None) -> MicroBatch:

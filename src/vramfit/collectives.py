@@ -38,10 +38,19 @@ def world_size() -> int:
 
 def agree_max(value: int, device) -> int:
     """Every process learns the largest value any process holds."""
+    return _agree(value, device, dist.ReduceOp.MAX)
+
+
+def agree_min(value: int, device) -> int:
+    """Every process learns the smallest value any process holds."""
+    return _agree(value, device, dist.ReduceOp.MIN)
+
+
+def _agree(value: int, device, op) -> int:
     if world_size() == 1:
         return value
     t = torch.tensor([value], device=device, dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return int(t.item())
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from .errors import VramfitError
+from .runfolder import RunPaths
 
 # (header, summary.json key or a derived field); derived fields are filled in by `load_run`.
 COLUMNS = [("run", None), ("model", None), ("size", None), ("precision", "precision"),
@@ -26,13 +27,14 @@ GIB = 2**30
 
 
 def load_run(path: Path) -> dict:
-    summary_file = path / "summary.json"
+    files = RunPaths.at(path)
+    summary_file = files.summary
     if not summary_file.is_file():
         raise VramfitError(f"{path} has no summary.json: it is not a run folder, or the run has not "
                            "ended yet.", hint="pass folders such as runs/<run_name>")
     s = json.loads(summary_file.read_text())
-    cfg = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    evals = eval_history(path / "metrics.jsonl")
+    cfg = yaml.safe_load(files.config.read_text()) if files.config.is_file() else {}
+    evals = eval_history(files.metrics)
     best = max(evals, key=lambda e: e["val_accuracy"], default=None)  # max keeps the first of equals
     s = {**s, "seconds_to_best": best["time"] if best else None}
     return {"path": path, "summary": s, "config": cfg or {}, "evals": evals}
@@ -136,9 +138,9 @@ def find_runs(paths: list[str]) -> list[dict]:
     runs = []
     for p in paths:
         path = Path(p)
-        if path.is_dir() and not (path / "summary.json").exists():
+        if path.is_dir() and not RunPaths.at(path).summary.exists():
             # An output folder holding several runs.
-            runs += [load_run(q) for q in sorted(path.iterdir()) if (q / "summary.json").is_file()]
+            runs += [load_run(q) for q in sorted(path.iterdir()) if RunPaths.at(q).summary.is_file()]
         else:
             runs.append(load_run(path))
     if not runs:

@@ -28,12 +28,6 @@ def normalize_precision(value):
     return _PRECISION_ALIASES.get(str(value).lower(), value) if isinstance(value, (str, int)) else value
 
 
-def accelerate_precision(name: str) -> str:
-    """What `Accelerator(mixed_precision=...)` takes for a precision: fp32 is `no`."""
-    name = normalize_precision(name)
-    return "no" if name == "fp32" else name
-
-
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -210,16 +204,6 @@ class Config(Section):
         if self.model.pretrained and self.model.pretrained_path:
             raise ValueError("model.pretrained and model.pretrained_path are exclusive: pick one")
         return self
-
-    def resolved_run_name(self) -> str:
-        if self.run_name:
-            return self.run_name
-        # Named from what distinguishes runs so they line up side by side in W&B and on disk;
-        # the same command gives the same name, so re-running it resumes.
-        recipe = Path(self.recipe).stem if self.recipe else "custom"
-        model = self.model.name.replace("/", "_").replace(":", "_")
-        return (f"{recipe}-{model}-{self.data.image_size}px-gb{self.train.global_batch}"
-                f"-{self.train.precision}-s{self.train.seed}")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -155,7 +155,9 @@ def machine() -> dict:
 
 def diff_run(run_dir: str, now: dict) -> list[dict]:
     """What differs between this machine and the one `run_dir` (its env.json) ran on."""
-    path = Path(run_dir) / "env.json"
+    from .runfolder import RunPaths
+
+    path = RunPaths.at(run_dir).env
     try:
         then = json.loads(path.read_text())
     except (OSError, ValueError) as e:

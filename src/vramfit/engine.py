@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -74,6 +74,46 @@ def hits(logits, y) -> torch.Tensor:
     return (logits.detach().argmax(1) == target).sum()
 
 
+@dataclass(frozen=True)
+class StepMaths:
+    """The maths of one optimizer step: the one definition that the trainer runs (`TrainStep`) and
+    the planner traces (`planner.tracing`), so a change here moves the memory plan with it.
+
+    Per micro-batch: forward, the loss summed over its samples, backward of that sum divided by the
+    samples of the whole optimizer batch. Then the total gradient norm (clipped when asked) and the
+    optimizer's update. How gradients are reduced, retried and voted on is TrainStep's."""
+
+    label_smoothing: float = 0.0
+    clip_grad_norm: float | None = None
+    loss_fn: Callable = cross_entropy_sum
+
+    def micro_batch(self, forward: Callable, backward: Callable, images, labels, step_samples: int,
+                    fsdp_world: int = 0):
+        """One micro-batch; returns (its loss sum, its correct predictions), left on the device."""
+        logits = forward(images)
+        loss = self.loss_fn(logits, labels, self.label_smoothing)
+        # FSDP averages gradients over processes; scaling by the process count turns that average
+        # back into the sum over the global batch that the reducer path computes.
+        backward(loss * (fsdp_world / step_samples) if fsdp_world else loss / step_samples)
+        return loss.detach(), hits(logits, labels)
+
+    def grad_norm(self, clip: Callable, params):
+        """The total gradient norm as `clip(params, max_norm)` returns it, clipped when
+        clip_grad_norm is set. Computed even without clipping: it is logged, and a non-finite one
+        (bf16/fp32; fp16's GradScaler handles its own) must stop the run before the update."""
+        return clip(params, self.clip_grad_norm or float("inf"))
+
+    @staticmethod
+    def update(optimizer) -> None:
+        optimizer.step()
+
+
+def step_maths(train_cfg) -> StepMaths:
+    """The step a config trains with (`cfg.train`)."""
+    return StepMaths(label_smoothing=train_cfg.label_smoothing, clip_grad_norm=train_cfg.clip_grad_norm,
+                     loss_fn=cross_entropy_sum)
+
+
 def is_fsdp(model) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -114,9 +154,9 @@ class TrainStep:
     process with a smaller micro-batch from the same starting point.
     """
 
-    def __init__(self, accelerator, model, optimizer, micro_batch: int, *, label_smoothing: float,
-                 clip_grad_norm: float | None, check_grad_norm: bool = True, oom_retries: int = 0,
-                 recomputes: bool = False):
+    def __init__(self, accelerator, model, optimizer, micro_batch: int, *, label_smoothing: float = 0.0,
+                 clip_grad_norm: float | None = None, check_grad_norm: bool = True, oom_retries: int = 0,
+                 recomputes: bool = False, maths: StepMaths | None = None):
         self.acc, self.model, self.optimizer = accelerator, model, optimizer
         self.device = accelerator.device
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -124,25 +164,24 @@ class TrainStep:
         self.reducer = GradReducer(self.params) if not self.fsdp else None
         self.vote = StepVote(self.device)
         self.state = StepState(micro_batch=micro_batch, oom_retries=oom_retries)
-        self.label_smoothing, self.clip_grad_norm = label_smoothing, clip_grad_norm
+        self.maths = maths or StepMaths(label_smoothing=label_smoothing, clip_grad_norm=clip_grad_norm)
         self.check_grad_norm = check_grad_norm
         self.recomputes = recomputes and any(True for _ in model.buffers())  # gradient checkpointing
-        self.loss_fn: Callable = cross_entropy_sum
         self.zero_loss = torch.zeros((), device=self.device)
         self.zero_hits = torch.zeros((), device=self.device, dtype=torch.int64)
 
     def __call__(self, images, labels, step_samples: int, *, stop_requested: Callable[[], int] | None = None,
                  bad_files: int = 0, loss_fn: Callable | None = None) -> StepResult:
-        loss_fn = loss_fn or self.loss_fn
+        maths = self.maths if loss_fn is None else replace(self.maths, loss_fn=loss_fn)
         shares = batching.rank_shares(step_samples, world_size())
         if self.fsdp:
-            return self._fsdp_step(images, labels, step_samples, shares, stop_requested, bad_files, loss_fn)
+            return self._fsdp_step(images, labels, step_samples, shares, stop_requested, bad_files, maths)
         undo = _Undo(self.model, self.device)
         while True:
             count = batching.num_chunks(shares, self.state.micro_batch)
             bounds = batching.chunk_bounds(labels.shape[0], count)
             retries_before = _alloc_retries(self.device)
-            status, sums = self._attempt(images, labels, bounds, step_samples, stop_requested, loss_fn)
+            status, sums = self._attempt(images, labels, bounds, step_samples, stop_requested, maths)
             if status == Status.OK and _alloc_retries(self.device) > retries_before:
                 status = Status.THRASH
             self.reducer.launch_rest()
@@ -153,12 +192,12 @@ class TrainStep:
                 continue
             self._check(verdict, undo)
             break
-        result = self._update(verdict, step_samples)
+        result = self._update(verdict, step_samples, maths)
         if verdict.status == Status.THRASH:
             self._after_thrash()
         return result
 
-    def _attempt(self, images, labels, bounds, step_samples, stop_requested, loss_fn):
+    def _attempt(self, images, labels, bounds, step_samples, stop_requested, maths: StepMaths):
         """The micro-batches; returns (status, (loss sum, hits)). An OOM leaves this frame and its
         graph behind before anything else runs."""
         loss_sum, correct = self.zero_loss.clone(), self.zero_hits.clone()
@@ -168,12 +207,10 @@ class TrainStep:
                     return Status.STOP, (loss_sum, correct)
                 if k == len(bounds) - 1:
                     self.reducer.arm()
-                logits = self.model(images[s:e])
-                loss = loss_fn(logits, labels[s:e], self.label_smoothing)
-                self._backward(loss / step_samples)
-                loss_sum += loss.detach()
-                correct += hits(logits, labels[s:e])
-                del logits, loss
+                loss, right = maths.micro_batch(self.model, self._backward, images[s:e], labels[s:e], step_samples)
+                loss_sum += loss
+                correct += right
+                del loss, right
         except Exception as e:  # noqa: BLE001 - OOM is handled; anything else is voted, then raised
             if not is_oom(e):
                 self.fail_together(e)
@@ -217,16 +254,14 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLoss(verdict.loss_sum)
 
-    def _update(self, verdict, step_samples: int) -> StepResult:
+    def _update(self, verdict, step_samples: int, maths: StepMaths) -> StepResult:
         """Clip, step, zero the gradients."""
-        # The norm is computed even without clipping: it is logged, and a non-finite one (bf16/fp32;
-        # fp16's GradScaler handles its own) must stop the run before the update, not after.
         params = self.params if not self.fsdp else list(self.model.parameters())
-        grad_norm = float(self.acc.clip_grad_norm_(params, self.clip_grad_norm or float("inf")))
+        grad_norm = float(maths.grad_norm(self.acc.clip_grad_norm_, params))
         if self.check_grad_norm and not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLoss(grad_norm, "gradient norm")
-        self.optimizer.step()
+        maths.update(self.optimizer)
         skipped = bool(getattr(self.optimizer, "step_was_skipped", False))
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss=verdict.loss_sum / step_samples, correct=verdict.correct, samples=step_samples,
@@ -254,7 +289,7 @@ class TrainStep:
                 "memory: the allocator had to free its cache to fit micro-batch 1 (steps are slower); "
                 "a lighter --model, --precision bf16 or --grad-checkpointing would leave more room")
 
-    def _fsdp_step(self, images, labels, step_samples, shares, stop_requested, bad_files, loss_fn):
+    def _fsdp_step(self, images, labels, step_samples, shares, stop_requested, bad_files, maths: StepMaths):
         """FSDP reduce-scatters gradients inside backward, so no manual reduction and no retry: an
         OOM stops the run. Every process runs the same number of forwards (a process with an empty
         share runs weightless ones), or the others would wait in FSDP's gathers; a signal is
@@ -262,18 +297,14 @@ class TrainStep:
         count = batching.num_chunks(shares, self.state.micro_batch)
         bounds = batching.chunk_bounds(labels.shape[0], count) or [(0, 0)] * count
         loss_sum, correct = self.zero_loss.clone(), self.zero_hits.clone()
-        # FSDP averages gradients over processes; scaling by the process count turns that average
-        # back into the sum over the global batch that the reducer path computes.
-        scale = world_size() / step_samples
         try:
             for k, (s, e) in enumerate(bounds):
                 with gradient_sync(self.model, k == len(bounds) - 1):
                     if e > s:
-                        logits = self.model(images[s:e])
-                        loss = loss_fn(logits, labels[s:e], self.label_smoothing)
-                        self._backward(loss * scale)
-                        loss_sum += loss.detach()
-                        correct += hits(logits, labels[s:e])
+                        loss, right = maths.micro_batch(self.model, self._backward, images[s:e], labels[s:e],
+                                                        step_samples, fsdp_world=world_size())
+                        loss_sum += loss
+                        correct += right
                     else:
                         self._weightless_forward(images)
         except Exception as e:  # noqa: BLE001
@@ -282,7 +313,7 @@ class TrainStep:
             raise
         verdict = self.vote.vote(Status.OK, _signal(stop_requested), bad_files, loss_sum, correct)
         self._check(verdict, _Undo(None, self.device))
-        return self._update(verdict, step_samples)
+        return self._update(verdict, step_samples, maths)
 
     def _weightless_forward(self, images) -> None:
         """Join FSDP's collectives with no sample: two blank images in eval mode (no BatchNorm

@@ -98,7 +98,7 @@ def run_data_config(tm: TrainedModel):
 
     from .config import Config
 
-    tree = tm.run_file("config.yaml")
+    tree = tm.run_file("config")
     if tree is None:
         raise VramfitError(f"{tm.run_dir} has no config.yaml, so its data source is unknown.",
                            hint="name the data with --data SRC")

@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from accelerate import Accelerator
+
+    from .precision import Precision
 
 log = logging.getLogger("vramfit")
 
@@ -20,32 +24,11 @@ log = logging.getLogger("vramfit")
 class Launch:
     acc: Accelerator
     device_type: str  # cuda | cpu
-    precision: str  # what Accelerate runs: no | fp16 | bf16
+    precision: Precision  # what runs (precision.resolve)
     world: int
     rank: int
     main: bool
     notes: list[str]  # said once at start
-
-
-def resolve_precision(requested: str, device_type: str, fp16_on_cpu: bool = False) -> tuple[str, str | None]:
-    """The precision Accelerate runs (`no` is fp32), and a note when it differs from the request."""
-    from .config import accelerate_precision
-
-    requested = accelerate_precision(requested)
-    if fp16_on_cpu and requested == "fp16":
-        return "fp16", None
-    if device_type == "cuda":
-        bf16 = torch.cuda.is_bf16_supported()
-        if requested == "auto":
-            return ("bf16" if bf16 else "fp16"), None
-        if requested == "bf16" and not bf16:
-            return "fp16", "this GPU has no bf16 support: using fp16 (with loss scaling) instead"
-        return requested, None
-    if requested == "auto":
-        return "no", None
-    if requested == "fp16":
-        return "no", f"fp16 needs a CUDA GPU; on {device_type} training runs in fp32"
-    return requested, None
 
 
 def forget() -> None:
@@ -92,25 +75,29 @@ def set_threads(local_processes: int) -> str:
     return f"{torch.get_num_threads()} torch threads"
 
 
-def start(cfg) -> Launch:
+def start(cfg, run_dir: Path | None = None) -> Launch:
+    """The process's Accelerator, in the precision `precision.here(cfg)` resolves; with the run's
+    trackers when `run_dir` is given (TensorBoard writes into it), none without (lr-find, benches)."""
     # Must be set before CUDA initialises; expandable segments cut fragmentation-driven OOMs.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from accelerate import Accelerator
 
+    from . import precision as precisions
     from .tracking import log_with
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    precision, note = resolve_precision(cfg.train.precision, device_type, cfg.debug.fp16_on_cpu)
-    acc = Accelerator(mixed_precision=precision,
+    precision = precisions.here(cfg)
+    acc = Accelerator(mixed_precision=precision.accelerate,
                       cpu=device_type == "cpu",  # without it Accelerate ignores a torchrun world on CPU
-                      log_with=log_with(cfg), step_scheduler_with_optimizer=False)
-    if device_type == "cpu" and precision == "fp16":
+                      log_with=log_with(cfg, run_dir) if run_dir is not None else None,
+                      step_scheduler_with_optimizer=False)
+    if device_type == "cpu" and precision.scales_loss:
         _scale_fp16_on_cpu(acc)
     main = acc.is_main_process
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s", stream=sys.stderr)
     for noisy in ("accelerate", "datasets", "timm"):  # their per-save INFO lines drown the run's own
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    notes = [f"precision: {note}"] if note else []
+    notes = [f"precision: {precision.note}"] if precision.note else []
     notes.append(set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark

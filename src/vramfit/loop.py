@@ -13,8 +13,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,15 +24,10 @@ from .errors import VramfitError
 from .validation import evaluate
 
 if TYPE_CHECKING:
-    from .config import Config
-    from .data import Loaders, Splits
-    from .engine import TrainStep
-    from .faults import Faults
-    from .launch import Launch
+    from .setup import Run
     from .signals import SignalFlag
     from .state import TrainerState
     from .tracking import RunLog
-    from .validation import EvalState
 
 log = logging.getLogger("vramfit")
 
@@ -68,33 +62,29 @@ class Clock:
 
 @dataclass
 class Trainer:
-    cfg: Config
-    L: Launch
-    run_dir: Path
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object  # timm CosineLRScheduler, stepped per optimizer step
-    ema: object  # timm ModelEmaV3 or None
-    step: TrainStep
-    eval_state: EvalState
-    loaders: Loaders
-    augment: object  # augment.DeviceAugment
-    faults: Faults
-    state: TrainerState
-    splits: Splits
-    data_cfg: dict
+    """Trains a `setup.Run` to its last epoch, logging to `runlog` and stopping on `flag`."""
+
+    run: Run
     runlog: RunLog
     flag: SignalFlag
-    plan_text: Callable[[], str | None]
     clock: Clock = None
     consecutive_skips: int = 0
 
     def __post_init__(self):
         self.clock = Clock.resumed(self.state)
 
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+    # What the loop reads of its run, by the names it uses.
+    cfg = property(lambda self: self.run.cfg)
+    L = property(lambda self: self.run.launch)
+    model = property(lambda self: self.run.model)
+    optimizer = property(lambda self: self.run.optimizer)
+    ema = property(lambda self: self.run.ema)
+    step = property(lambda self: self.run.step)
+    state = property(lambda self: self.run.state)
+    loaders = property(lambda self: self.run.loaders)
+    splits = property(lambda self: self.run.splits)
+    faults = property(lambda self: self.run.faults)
+    ckpt_dir = property(lambda self: self.run.paths.checkpoints)
 
     def fit(self) -> int:
         """Train to the last epoch; returns the stop signal's number, 0 when training completed."""
@@ -137,7 +127,7 @@ class Trainer:
             from .data import check_batch_shape
 
             check_batch_shape(batch.images, cfg.data.image_size)
-        images, labels = self.augment(self.loaders.normalize(batch.images),
+        images, labels = self.run.augment(self.loaders.normalize(batch.images),
                                       batch.labels.to(self.L.acc.device, non_blocking=True), epoch,
                                       st.step_in_epoch, jitter=batch.jitter)
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (logged as such)
@@ -151,7 +141,7 @@ class Trainer:
                                        "between micro-batches")
         except MicroBatchExhausted:
             self.dump_memory()
-            raise oom_message(self.plan_text()) from None
+            raise oom_message(self.run.plan_text()) from None
         except NonFiniteLoss as e:
             raise self.nonfinite_error(e, batch) from None
         self.count(res, batch)
@@ -160,8 +150,7 @@ class Trainer:
         st.global_step += 1
         st.step_in_epoch += 1
         st.samples_seen += res.samples
-        st.oom_retries, st.micro_batch = self.step.state.oom_retries, self.step.state.micro_batch
-        self.scheduler.step_update(num_updates=st.global_step)
+        self.run.scheduler.step_update(num_updates=st.global_step)
         self.clock.train_samples += res.samples
         self.clock.train_seconds += time.time() - t_wait  # data wait and step: before the report reads it
         self.report(res, epoch, lr, time.time() - t_got, pbar)
@@ -217,7 +206,7 @@ class Trainer:
         eval_model = self.ema.module if self.ema is not None else self.model
         try:
             res = evaluate(self.L.acc, eval_model, self.loaders.val, len(self.splits.class_names),
-                           self.loaders.normalize, self.eval_state,
+                           self.loaders.normalize, self.run.eval_state,
                            stop_requested=self.faults.in_eval(self.flag, epoch + 1),
                            keep_logits=self.runlog.use_trackers)
         except StepInterrupted as e:
@@ -254,7 +243,7 @@ class Trainer:
             if self.L.main:
                 if full is not None:
                     module = _full_copy(self.cfg, len(self.splits.class_names), full)
-                export(module, self.run_dir / "model", self.splits.class_names, self.data_cfg)
+                export(module, self.run.paths.model, self.splits.class_names, self.run.data_cfg)
 
     # ------------------------------------------------------------------------------ saving, stopping
     def save(self) -> None:
@@ -263,6 +252,7 @@ class Trainer:
         run continues exactly where every process was, and saving changes nothing in the run."""
         st = self.state
         self.clock.record(st)
+        st.micro_batch, st.oom_retries = self.step.state.micro_batch, self.step.state.oom_retries
         keep = (st.best_step,) if st.best_step is not None else ()
         extra = {"ema": self.ema.module.state_dict()} if self.ema is not None else {}
         local = local_buffers(self.model, self.ema) if world_size() > 1 else None
@@ -291,8 +281,8 @@ class Trainer:
 
     def dump_memory(self) -> None:
         if self.L.main and torch.cuda.is_available():
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "memory_summary.txt").write_text(torch.cuda.memory_summary(self.L.acc.device))
+            self.run.paths.dir.mkdir(parents=True, exist_ok=True)
+            self.run.paths.memory_summary.write_text(torch.cuda.memory_summary(self.L.acc.device))
 
 
 def local_buffers(model, ema) -> dict:

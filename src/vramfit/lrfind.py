@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import batching
-from .config import Config, accelerate_precision
+from .config import Config
 
 SMOOTHING = 0.2  # weight of each new loss in the running average, run forwards then backwards
 DIVERGE = 5.0  # stop once the loss exceeds this many times its best
@@ -71,41 +71,28 @@ def suggest(lrs: list[float], losses: list[float]) -> float:
     return float(lrs[int(np.argmin(smooth(losses)))]) / 10
 
 
-def _setup(cfg: Config, device: torch.device):
-    """The run's model, optimizer, data order and micro-batch, for one process."""
-    from .data import ImageDataset, StepBatchSampler, build_transforms, load_splits, make_loader, normalizer
-    from .models import create_model, data_config
-    from .optim import create_optimizer
+def build(cfg: Config):
+    """The run `vramfit train` would build (setup.build: model, optimizer, data order, loaders,
+    micro-batch, precision), for this one process, with no trackers and no run folder. Returns
+    the run and the sweep's batches."""
+    from . import launch, setup
+    from .runfolder import RunPaths
 
-    splits = load_splits(cfg.data, cfg.train.seed)
-    model = create_model(cfg.model, len(splits.class_names), image_size=cfg.data.image_size).to(device)
-    data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
-    train_tf, _ = build_transforms(cfg.data, data_cfg, device.type)
-    ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf, cfg.data.image_size,
-                      cfg.train.seed, train=True)
-    sampler = StepBatchSampler(len(ds), cfg.train.global_batch, 0, 1, cfg.train.seed)
-    loader = make_loader(ds, batch_sampler=sampler, workers=0, pin=device.type == "cuda", seed=cfg.train.seed)
-    pick = None
-    if device.type == "cuda" and cfg.train.micro_batch == "auto":
-        from .memory import auto_pick
-
-        pick = auto_pick(cfg, len(splits.class_names), model, device)
-    micro = batching.resolve_micro_batch(cfg.train.micro_batch, cfg.train.global_batch, pick=pick).size
-    batches = _Batches(loader, sampler, normalizer(data_cfg, device, cfg.model.channels_last),
-                       cfg.train.global_batch, micro)
-    return model, create_optimizer(model, cfg.optim, cfg.train.global_batch), batches
+    L = launch.start(cfg)  # no run folder: no trackers
+    run = setup.build(cfg, L, RunPaths.of(cfg, L.precision.name))
+    batches = _Batches(run.loaders.train, run.loaders.sampler, run.loaders.normalize, cfg.train.global_batch,
+                       run.micro.size)
+    return run, batches
 
 
-def _amp(cfg: Config, device: torch.device) -> dict:
-    """torch-lr-finder's mixed-precision settings for the recipe's precision on this device."""
-    precision = accelerate_precision(cfg.train.precision)
-    if device.type != "cuda" or precision == "no":
+def amp_settings(precision) -> dict:
+    """torch-lr-finder's mixed-precision settings for what the run runs (a `precision.Precision`):
+    its autocast, and a GradScaler for fp16."""
+    if precision.autocast_dtype is None:
         return {}
-    if precision == "auto" or (precision == "bf16" and not torch.cuda.is_bf16_supported()):
-        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return {"amp_backend": "torch", "amp_config": {"device_type": "cuda", "dtype": dtype},
-            "grad_scaler": torch.amp.GradScaler("cuda", enabled=precision == "fp16")}
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"amp_backend": "torch", "amp_config": {"device_type": device_type, "dtype": precision.autocast_dtype},
+            "grad_scaler": torch.amp.GradScaler(device_type, enabled=precision.scales_loss)}
 
 
 def plot(lrs: list[float], losses: list[float], suggestion: float, path: Path, title: str) -> None:
@@ -135,10 +122,14 @@ def lr_find(cfg: Config, num_iter: int = 100, start_lr: float = 1e-7, end_lr: fl
 
     from .optim import scaled_lr
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, optimizer, batches = _setup(cfg, device)
+    run, batches = build(cfg)
+    # The inner optimizer: the finder scales fp16 losses with its own GradScaler.
+    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+    for group in optimizer.param_groups:  # the run's LR schedule is not stepped here: the sweep sets the LR
+        group.pop("initial_lr", None)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, ignore_index=-1)
-    finder = LRFinder(model, optimizer, criterion, device=device, **_amp(cfg, device))
+    finder = LRFinder(run.model, optimizer, criterion, device=run.launch.acc.device,
+                      **amp_settings(run.launch.precision))
     with contextlib.redirect_stdout(sys.stderr):  # the library's own messages are not the result
         finder.range_test(TrainDataLoaderIter(batches), start_lr=start_lr, end_lr=end_lr, num_iter=num_iter,
                           smooth_f=0.0, diverge_th=DIVERGE, accumulation_steps=batches.per_step)

@@ -25,8 +25,10 @@ log = logging.getLogger("vramfit")
 
 
 def cache_key(cfg: Config, device_name: str, per_proc: int, num_classes: int) -> str:
+    from .precision import resolve
+
     m = cfg.model
-    return "|".join(map(str, (device_name, m.name, cfg.data.image_size, cfg.train.precision,
+    return "|".join(map(str, (device_name, m.name, cfg.data.image_size, resolve(cfg.train.precision, "cuda").name,
                               m.grad_checkpointing, m.channels_last, ",".join(m.freeze), m.bn,
                               cfg.optim.name, num_classes, per_proc)))
 
@@ -185,11 +187,14 @@ def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, d
 def auto_pick(cfg: Config, num_classes: int, model=None, device=None,
               found: dict | None = None) -> Callable[[int], int]:
     """The `pick` that `batching.resolve_micro_batch("auto", share, pick=...)` takes on a GPU: the
-    planner's pick for the card, confirmed by the probe when `model` is given. What it found (the
-    reason, the budget, the prediction and the probes) is written into `found`, for plan.json."""
+    planner's pick for the card, confirmed by the probe when `model` is given, and the smallest over
+    processes (every process must split the same way). What it found (the reason, the budget, the
+    prediction and the probes) is written into `found`, for plan.json."""
+    from .collectives import agree_min
 
     def pick(per_proc: int) -> int:
         res = auto_micro_batch(cfg, num_classes, per_proc, model, device)
+        res["micro_batch"] = agree_min(res["micro_batch"], device or torch.device("cuda"))
         if found is not None:
             found.update(res)
         return res["micro_batch"]

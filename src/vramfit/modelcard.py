@@ -32,8 +32,8 @@ def title(tm: TrainedModel) -> str:
 
 def body(tm: TrainedModel, files: list[str], repo_id: str | None = None) -> str:
     """Everything below the title (the Hub push puts its own front matter and title above it)."""
-    cfg = tm.run_file("config.yaml") or {}
-    summary = tm.run_file("summary.json") or {}
+    cfg = tm.run_file("config") or {}
+    summary = tm.run_file("summary") or {}
     parts = [_model(tm, cfg), _training(cfg, summary), _results(tm, summary), _memory(tm, summary),
              _usage(tm, files, repo_id)]
     return "\n".join(p for p in parts if p)
@@ -89,8 +89,8 @@ def _results(tm: TrainedModel, s: dict) -> str:
 
 
 def _memory(tm: TrainedModel, s: dict) -> str:
-    plan = tm.run_file("plan.json") or {}
-    env = tm.run_file("env.json") or {}
+    plan = tm.run_file("plan") or {}
+    env = tm.run_file("env") or {}
     est = plan.get("estimate") or {}
     lines = ["## Memory"]
     devices = env.get("device_names") or []

@@ -16,6 +16,7 @@ from pathlib import Path
 from . import checkpoint
 from .config import Config
 from .errors import VramfitError
+from .state import TrainerState
 
 log = logging.getLogger("vramfit")
 
@@ -29,7 +30,7 @@ EXECUTION_KEYS = ("micro_batch",)
 @dataclass
 class ResumePoint:
     path: Path
-    state: dict  # trainer_state.json as saved
+    state: TrainerState  # trainer_state.json as saved
 
 
 def data_identity(source: str) -> str | None:
@@ -45,13 +46,14 @@ def data_identity(source: str) -> str | None:
     return f"{len(files)} files, {h.hexdigest()}"
 
 
-def fingerprint(cfg: Config) -> dict:
-    """What a resumed run must share with the run it continues, and what it records."""
+def fingerprint(cfg: Config, precision: str) -> dict:
+    """What a resumed run must share with the run it continues, and what it records. `precision`:
+    what runs (precision.resolve's name), so `auto` that ran bf16 and `bf16` are the same run."""
     return {"model": cfg.model.name, "image_size": cfg.data.image_size, "source": cfg.data.source,
             "data_identity": data_identity(cfg.data.source), "global_batch": cfg.train.global_batch,
             "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "seed": cfg.train.seed,
             "epochs": cfg.train.epochs,  # epochs shape the LR schedule
-            "precision": cfg.train.precision, "ema_decay": cfg.model.ema_decay,
+            "precision": precision, "ema_decay": cfg.model.ema_decay,
             "split_seed": getattr(cfg.data, "split_seed", 0), "micro_batch": cfg.train.micro_batch}
 
 
@@ -70,13 +72,13 @@ def find(cfg: Config, ckpt_dir: Path) -> ResumePoint | None:
         if not checkpoint.is_complete(path):
             raise VramfitError(f"--resume {cfg.resume} is not a complete checkpoint folder.",
                                hint=f"use --resume auto, or one of {ckpt_dir}/step-N")
-    return ResumePoint(path, checkpoint.read_state(path)) if path else None
+    return ResumePoint(path, TrainerState.from_saved(checkpoint.read_state(path), str(path))) if path else None
 
 
 def check(cfg: Config, point: ResumePoint, world: int, new: dict) -> list[str]:
     """Refuse a resume that would change the run's maths (unless allowed); return the notes to
     print for what changes only its execution. `new`: this launch's `fingerprint(cfg)`."""
-    old = point.state.get("fingerprint", {})
+    old = point.state.fingerprint
     diffs = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in MATHS_KEYS if k in old and old[k] != new[k]]
     notes = []
     if diffs and not cfg.allow_resume_change:
@@ -91,7 +93,7 @@ def check(cfg: Config, point: ResumePoint, world: int, new: dict) -> list[str]:
         if k in old and old[k] != new[k]:
             notes.append(f"resumed with {k} {new[k]!r} (the checkpoint's run used {old[k]!r}); with "
                          "train-mode BatchNorm the statistics are taken over other groups from here on")
-    saved_world = point.state.get("world_size")
+    saved_world = point.state.world_size
     if saved_world not in (None, world):
         msg = (f"the checkpoint was written by {saved_world} process(es), this run has {world}: the "
                "global batch and sample order are unchanged, but per-process random states cannot be "
@@ -104,8 +106,8 @@ def check(cfg: Config, point: ResumePoint, world: int, new: dict) -> list[str]:
 
 
 def class_names_match(point: ResumePoint, class_names: list[str]) -> None:
-    saved = point.state.get("class_names")
-    if saved not in (None, class_names):
+    saved = point.state.class_names
+    if saved and saved != class_names:
         raise VramfitError(
             f"The dataset's classes {class_names[:10]}... differ from the checkpoint's {saved[:10]}...: "
             "the model head would not match.", hint="resume with the same data, or start a new run (--run-name)")
@@ -124,13 +126,13 @@ def load(accelerator, point: ResumePoint, world: int, seed: int, model, ema=None
                  "(files there may have been written by another program: nothing in them was executed)"
         ) from None
     rank = accelerator.process_index
-    same_shape = point.state.get("world_size") in (None, world)
+    same_shape = point.state.world_size in (None, world)
     if same_shape:
         checkpoint.verify_rng_restored(point.path, rank)
     else:
         from accelerate.utils import set_seed
 
-        set_seed(seed + rank + 1000 * int(point.state.get("global_step", 0)))
+        set_seed(seed + rank + 1000 * point.state.global_step)
     if ema is not None:
         checkpoint.load_extra(point.path, "ema", ema.module)
     own = checkpoint.load_local(point.path, rank) if same_shape else None
@@ -138,10 +140,6 @@ def load(accelerator, point: ResumePoint, world: int, seed: int, model, ema=None
         _restore_buffers(accelerator.unwrap_model(model), own, "model.")
         if ema is not None:
             _restore_buffers(ema.module, own, "ema.")
-    for key in ("epoch", "step_in_epoch", "global_step"):
-        if not isinstance(point.state.get(key), int):
-            raise VramfitError(f"Checkpoint {point.path} has no valid `{key}`: the data position cannot be "
-                               "restored.", hint="resume from another checkpoint (--resume PATH)")
 
 
 def _restore_buffers(module, saved: dict, prefix: str) -> None:
@@ -157,7 +155,7 @@ def resumed_micro_batch(point: ResumePoint | None, world: int, allow_change: boo
     """The micro-batch the interrupted run had come down to after out-of-memory errors, when the
     new launch is the same shape (going back up would run out again, and with train-mode BatchNorm
     change the maths)."""
-    if point is None or allow_change or point.state.get("world_size") != world:
+    if point is None or allow_change or point.state.world_size != world:
         return None
-    mb = point.state.get("micro_batch")
+    mb = point.state.micro_batch
     return mb if isinstance(mb, int) and mb >= 1 else None

@@ -1,5 +1,7 @@
-"""Building a run, one piece a function: the resume point, the data, the model and its optimizer,
-the micro-batch, the run folder. `run.train` calls them in order.
+"""Building a run, one piece a function, into one typed `Run`: the resume point, the data, the
+model and its optimizer, the micro-batch and its plan, the trainer state, the step, the loaders.
+`run.train` builds it with `build`; lr-find builds the same `Run`, and the benches the same
+`Training` (everything but the data), so there is one way to assemble a run.
 
 Each block that holds no collective of its own runs inside `collectives.agreed`, so an error on
 one process (a path missing on one machine, a full disk on the main process) stops every process
@@ -13,7 +15,9 @@ import errno
 import json
 import logging
 import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,25 +25,158 @@ from . import batching, checkpoint, resume
 from .collectives import agreed, broadcast_module
 from .config import Config
 from .errors import VramfitError
+from .runfolder import RunPaths
+from .state import TrainerState
 from .tracking import environment, write_json
+
+if TYPE_CHECKING:
+    from .data import Loaders, Splits
+    from .engine import TrainStep
+    from .faults import Faults
+    from .launch import Launch
+    from .validation import EvalState
 
 log = logging.getLogger("vramfit")
 
 
-def find_resume(cfg: Config, L, run_dir: Path) -> tuple[resume.ResumePoint | None, list[str], dict]:
-    """The checkpoint to continue from, the notes to say about it, and this launch's fingerprint
-    (computed once: it lists a local data source's files)."""
-    ckpt_dir = run_dir / "checkpoints"
+@dataclass
+class Start:
+    """Where a launch starts: the checkpoint it continues (None: a fresh run), what to say about
+    it, and this launch's fingerprint (resume.fingerprint; computed once: it lists the files of a
+    local data source)."""
+
+    point: resume.ResumePoint | None = None
+    notes: list[str] = field(default_factory=list)
+    fingerprint: dict = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """The micro-batch a run starts with and what the planner predicts for it (plan.json)."""
+
+    micro: batching.MicroBatch
+    requested_micro_batch: int | str | None
+    num_processes: int
+    precision: str  # what runs, as Accelerate names it (no | bf16 | fp16)
+    predicted_peak_bytes: int | None = None
+    estimate: dict | None = None  # planner.MemoryEstimate.as_dict()
+    probe: dict = field(default_factory=dict)  # `auto` on a GPU: what the probe found
+    notes: list[str] = field(default_factory=list)  # said at start
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """The planner's allocator reserve (no CUDA context): what `peak_memory_bytes` measures."""
+        return (self.estimate or {}).get("reserved_bytes")
+
+    def as_dict(self) -> dict:
+        return {"requested_micro_batch": self.requested_micro_batch, **self.micro.as_dict(), **self.probe,
+                "num_processes": self.num_processes, "precision": self.precision,
+                "predicted_peak_bytes": self.predicted_peak_bytes,
+                **({"estimate": self.estimate} if self.estimate is not None else {}), "notes": self.notes}
+
+
+@dataclass
+class Training:
+    """What trains, for one process: the model on the device, its optimizer, LR schedule and EMA,
+    the micro-batch plan, the trainer state (fresh or resumed) and the optimizer step."""
+
+    cfg: Config
+    launch: Launch
+    class_names: list[str]
+    steps_per_epoch: int
+    model: torch.nn.Module
+    data_cfg: dict  # timm's data config: mean, std, crop, interpolation
+    optimizer: torch.optim.Optimizer
+    scheduler: object  # timm CosineLRScheduler, stepped per optimizer step
+    ema: object  # timm ModelEmaV3 or None
+    plan: Plan
+    state: TrainerState
+    step: TrainStep
+    seconds_per_sample: float | None  # measured on a CPU for `data.num_workers: auto`
+
+    @property
+    def micro(self) -> batching.MicroBatch:
+        return self.plan.micro
+
+    def plan_text(self) -> str | None:
+        """The memory plan as `vramfit plan` prints it, for the out-of-memory error."""
+        import io
+
+        from .planner import run_plan
+
+        try:
+            buf = io.StringIO()
+            run_plan(self.cfg, len(self.class_names), num_processes=self.launch.world, out=buf)
+            return buf.getvalue()
+        except Exception:  # noqa: BLE001 - the error itself is what matters; the plan only adds detail
+            return None
+
+
+@dataclass
+class Run(Training):
+    """A whole training run: `Training` with its folder, start, data and what feeds the step."""
+
+    paths: RunPaths
+    start: Start
+    splits: Splits
+    loaders: Loaders
+    augment: object  # augment.DeviceAugment
+    faults: Faults
+    eval_state: EvalState
+
+
+def build(cfg: Config, L: Launch, paths: RunPaths, start: Start | None = None) -> Run:
+    """Everything a run needs, in order: data, model and optimizer, micro-batch, state, step, loaders."""
+    from .augment import DeviceAugment
+    from .data import build_loaders
+    from .faults import Faults
+    from .validation import EvalState
+
+    start = start or Start()
+    splits, steps_per_epoch = load_data(cfg, L, start.point)
+    t = build_training(cfg, L, splits.class_names, steps_per_epoch, start)
+    faults = Faults(cfg.debug, L.rank)
+    faults.install(t.model, t.step)
+    eval_batch = batching.eval_batch(cfg.train.eval_batch, t.micro)
+    loaders = build_loaders(cfg, splits, t.data_cfg, L.acc, eval_batch, t.seconds_per_sample)
+    augment = DeviceAugment(cfg.data, len(splits.class_names), cfg.train.label_smoothing, cfg.train.seed,
+                            L.rank, mean=t.data_cfg["mean"], std=t.data_cfg["std"], device_type=L.acc.device.type)
+    return Run(**{f.name: getattr(t, f.name) for f in fields(Training)}, paths=paths, start=start,
+               splits=splits, loaders=loaders, augment=augment, faults=faults, eval_state=EvalState(eval_batch))
+
+
+def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epoch: int,
+                   start: Start | None = None) -> Training:
+    """The model, optimizer, schedule, EMA, micro-batch plan, state and step, without any data (the
+    benches feed it synthetic batches)."""
+    from .engine import TrainStep, step_maths
+
+    start = start or Start()
+    model, data_cfg = build_model(cfg, L, len(class_names))
+    model, optimizer, scheduler, ema = prepare_training(cfg, L, model, steps_per_epoch)
+    plan = choose_micro_batch(cfg, L, len(class_names), model, start.point)
+    seconds = cpu_seconds_per_sample(cfg, L, model, plan.micro)
+    model = compile_model(cfg, L, model)
+    state = restore_state(cfg, L, start, plan.micro, class_names, model, scheduler, ema)
+    step = TrainStep(L.acc, model, optimizer, plan.micro.size, maths=step_maths(cfg.train),
+                     check_grad_norm=not L.precision.scales_loss, oom_retries=state.oom_retries,
+                     recomputes=cfg.model.grad_checkpointing)
+    return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
+                    state, step, seconds)
+
+
+def find_start(cfg: Config, L: Launch, paths: RunPaths) -> Start:
+    """The checkpoint to continue from, the notes to say about it, and this launch's fingerprint."""
     with agreed("looking for checkpoints", L.acc.device):
         if L.main:
             check_writable(Path(cfg.output))
             if cfg.resume == "auto":
-                checkpoint.latest(ckpt_dir, cleanup=True)
+                checkpoint.latest(paths.checkpoints, cleanup=True)
     with agreed("reading the checkpoint", L.acc.device):
-        point = resume.find(cfg, ckpt_dir)
-        fingerprint = resume.fingerprint(cfg)
+        point = resume.find(cfg, paths.checkpoints)
+        fingerprint = resume.fingerprint(cfg, L.precision.name)
         notes = resume.check(cfg, point, L.world, fingerprint) if point else []
-    return point, notes, fingerprint
+    return Start(point, notes, fingerprint)
 
 
 def check_writable(output: Path) -> None:
@@ -63,20 +200,20 @@ def check_writable(output: Path) -> None:
             probe.unlink()
 
 
-def finished_summary(cfg: Config, L, point: resume.ResumePoint | None, run_dir: Path) -> dict | None:
+def finished_summary(cfg: Config, L: Launch, start: Start, paths: RunPaths) -> dict | None:
     """The summary of a run that already finished with these settings (re-running its command
     does nothing); None when there is training to do."""
-    if not (point and point.state.get("finished") and (run_dir / "summary.json").exists()
-            and point.state.get("epoch", 0) >= cfg.train.epochs):
+    point = start.point
+    if not (point and point.state.finished and paths.summary.exists() and point.state.epoch >= cfg.train.epochs):
         return None
-    done = json.loads((run_dir / "summary.json").read_text())
+    done = json.loads(paths.summary.read_text())
     if L.main:
         log.info("Run %s already finished (%d epochs, best accuracy %s); nothing to do. Use another "
-                 "--run-name to train again.", run_dir, done.get("epochs", 0), done.get("best_accuracy"))
+                 "--run-name to train again.", paths.dir, done.get("epochs", 0), done.get("best_accuracy"))
     return done
 
 
-def load_data(cfg: Config, L, point: resume.ResumePoint | None):
+def load_data(cfg: Config, L: Launch, point: resume.ResumePoint | None) -> tuple[Splits, int]:
     """The main process first (it may build caches the others then read). Returns the splits and
     the steps per epoch."""
     from .data import load_splits
@@ -97,7 +234,7 @@ def load_data(cfg: Config, L, point: resume.ResumePoint | None):
     return splits, steps
 
 
-def build_model(cfg: Config, L, num_classes: int):
+def build_model(cfg: Config, L: Launch, num_classes: int) -> tuple[torch.nn.Module, dict]:
     from accelerate.utils import set_seed
 
     from .models import create_model, data_config
@@ -109,7 +246,7 @@ def build_model(cfg: Config, L, num_classes: int):
     return model, data_cfg
 
 
-def prepare_training(cfg: Config, L, model, steps_per_epoch: int):
+def prepare_training(cfg: Config, L: Launch, model, steps_per_epoch: int):
     """Optimizer, schedule, EMA; the model on the device. Gradients are summed by the step's own
     reducer (engine.TrainStep), so the model is not wrapped in DDP (whose buckets would hold a
     second gradient copy for nothing): the starting weights are broadcast once instead. FSDP
@@ -136,31 +273,31 @@ def prepare_training(cfg: Config, L, model, steps_per_epoch: int):
     return model, optimizer, scheduler, ema
 
 
-def choose_micro_batch(cfg: Config, L, num_classes: int, model, point) -> tuple[batching.MicroBatch, dict]:
+def choose_micro_batch(cfg: Config, L: Launch, num_classes: int, model, point) -> Plan:
     """The one micro-batch rule (batching.resolve_micro_batch): configured, whole share, `auto`
-    (planner, then a probe on the device), or where an interrupted run had come down to. Returns
-    it with the plan (plan.json) and the lines to say at start about it."""
+    (planner, then a probe on the device: memory.auto_pick), or where an interrupted run had come
+    down to. Returns it in the plan (plan.json) with the lines to say at start about it."""
+    from .memory import auto_pick
+
     per_proc = batching.per_process_batch(cfg.train.global_batch, L.world)
     probe: dict = {}  # what the probe found, for plan.json
     auto_here = cfg.train.micro_batch == "auto" and L.device_type == "cuda"
-    pick = _probing_pick(cfg, num_classes, L, model, probe) if auto_here else None
+    pick = auto_pick(cfg, num_classes, L.acc.unwrap_model(model), L.acc.device, probe) if auto_here else None
     resumed = resume.resumed_micro_batch(point, L.world, cfg.allow_resume_change)
     mb = batching.resolve_micro_batch(cfg.train.micro_batch, per_proc, pick=pick, resumed=resumed)
-    plan = {"requested_micro_batch": cfg.train.micro_batch, **mb.as_dict(), **probe,
-            "num_processes": L.world, "precision": L.precision}
-    plan.update(_predict(cfg, num_classes, mb, L))
-    plan["notes"] = fit_notes(cfg, L, num_classes, mb, plan)
-    return mb, plan
+    plan = Plan(mb, cfg.train.micro_batch, L.world, L.precision.accelerate,
+                probe={k: v for k, v in probe.items() if k != "micro_batch"}, **_predict(cfg, num_classes, mb, L))
+    plan.notes = fit_notes(cfg, L, num_classes, mb, plan.predicted_peak_bytes)
+    return plan
 
 
-def fit_notes(cfg: Config, L, num_classes: int, mb: batching.MicroBatch, plan: dict) -> list[str]:
+def fit_notes(cfg: Config, L: Launch, num_classes: int, mb: batching.MicroBatch, peak: int | None) -> list[str]:
     """Said at start: the LR scaling, the auto pick and its predicted peak, and a fixed micro-batch
     the planner predicts will not fit the card (with the one that does)."""
     from .optim import scaled_lr
     from .planner import budget_bytes_for, pick_micro_batch
 
     notes = [n for n in (scaled_lr(cfg.optim, cfg.train.global_batch)[1], mb.note) if n]
-    peak = plan.get("predicted_peak_bytes")
     if L.device_type != "cuda" or peak is None:  # without a card there is nothing to fit
         return notes
     budget = budget_bytes_for(cfg, total_bytes=torch.cuda.get_device_properties(L.acc.device).total_memory)
@@ -168,7 +305,7 @@ def fit_notes(cfg: Config, L, num_classes: int, mb: batching.MicroBatch, plan: d
         notes.append(f"micro-batch {mb.size} picked for this card: predicted peak {peak / 2**30:.2f} GiB of "
                      f"{budget / 2**30:.2f} GiB")
     elif peak > budget:
-        fits, _ = pick_micro_batch(cfg, num_classes, mb.per_process_batch, budget, precision=L.precision,
+        fits, _ = pick_micro_batch(cfg, num_classes, mb.per_process_batch, budget, precision=L.precision.accelerate,
                                    num_processes=L.world)
         notes.append(f"micro-batch {mb.size} is predicted to need {peak / 2**30:.2f} GiB, more than the "
                      f"{budget / 2**30:.2f} GiB this card allows: "
@@ -178,7 +315,7 @@ def fit_notes(cfg: Config, L, num_classes: int, mb: batching.MicroBatch, plan: d
     return notes
 
 
-def compile_model(cfg: Config, L, model):
+def compile_model(cfg: Config, L: Launch, model):
     """`train.compile`: torch.compile the model in place (`nn.Module.compile`), after the micro-batch
     is settled, so the memory probe runs eagerly and the first compiled shapes are the run's own.
     In place rather than a wrapper: parameter and state-dict names, checkpoints and the EMA copy
@@ -190,7 +327,7 @@ def compile_model(cfg: Config, L, model):
     return model
 
 
-def cpu_seconds_per_sample(cfg: Config, L, model, micro: batching.MicroBatch) -> float | None:
+def cpu_seconds_per_sample(cfg: Config, L: Launch, model, micro: batching.MicroBatch) -> float | None:
     """What one training sample costs this CPU run's model, for `data.num_workers: auto` (None
     where nothing is measured: a fixed worker count, a GPU, or no core to spare). A forward without
     gradients in eval mode (no BatchNorm statistics move, no random draw) on a seeded batch, timed
@@ -218,34 +355,12 @@ def cpu_seconds_per_sample(cfg: Config, L, model, micro: batching.MicroBatch) ->
         model.train(was_training)
 
 
-def _probing_pick(cfg: Config, num_classes: int, L, model, found: dict):
-    """`auto` on a GPU: the planner's pick, confirmed by a probe on the device."""
-    def pick(share: int) -> int:
-        found.update(_auto_probe(cfg, num_classes, share, L, model))
-        return found["micro_batch"]
-    return pick
-
-
-def _auto_probe(cfg: Config, num_classes: int, per_proc: int, L, model) -> dict:
-    from .collectives import world_size
-    from .memory import auto_micro_batch
-
-    found = auto_micro_batch(cfg, num_classes, per_proc, L.acc.unwrap_model(model), L.acc.device)
-    if world_size() > 1:  # every process must use the same split: take the smallest fit
-        import torch.distributed as dist
-
-        t = torch.tensor([found["micro_batch"]], device=L.acc.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        found["micro_batch"] = int(t.item())
-    return found
-
-
-def _predict(cfg: Config, num_classes: int, mb: batching.MicroBatch, L) -> dict:
+def _predict(cfg: Config, num_classes: int, mb: batching.MicroBatch, L: Launch) -> dict:
     """The planner's prediction for the micro-batch in use (plan.json), compared later with the peak."""
     from .planner import estimate
 
     try:
-        est = estimate(cfg, num_classes, mb.size, L.precision, num_processes=L.world,
+        est = estimate(cfg, num_classes, mb.size, L.precision.accelerate, num_processes=L.world,
                        per_process_batch=mb.per_process_batch)
     except VramfitError:
         raise
@@ -255,56 +370,45 @@ def _predict(cfg: Config, num_classes: int, mb: batching.MicroBatch, L) -> dict:
     return {"predicted_peak_bytes": est.peak_bytes, "estimate": est.as_dict()}
 
 
-def restore_state(cfg: Config, L, point, micro: batching.MicroBatch, class_names: list[str], model,
-                  scheduler, ema, fingerprint: dict):
+def restore_state(cfg: Config, L: Launch, start: Start, micro: batching.MicroBatch, class_names: list[str],
+                  model, scheduler, ema) -> TrainerState:
     """The trainer state: fresh, or the checkpoint's (with weights, optimizer, RNG and EMA)."""
     from accelerate.utils import set_seed
 
-    from .state import TrainerState
     from .tracking import wandb_run_id
 
+    point = start.point
     state = TrainerState(micro_batch=micro.size, class_names=class_names, world_size=L.world,
-                         global_batch=cfg.train.global_batch, fingerprint=fingerprint,
-                         wandb_run_id=wandb_run_id(point.state if point else None))
+                         global_batch=cfg.train.global_batch, fingerprint=start.fingerprint,
+                         wandb_run_id=wandb_run_id(point.state.wandb_run_id if point else None))
     if point is None:
         set_seed(cfg.train.seed + L.rank)  # per-process streams for dropout / drop-path from here on
         return state
     with agreed("loading the checkpoint", L.acc.device):
         resume.load(L.acc, point, L.world, cfg.train.seed, model, ema)
-    state.load_state_dict(point.state)
+    state.continue_from(point.state)
     scheduler.step_update(num_updates=state.global_step)
     return state
 
 
-def write_run_folder(cfg: Config, L, run_dir: Path, run_name: str, plan: dict, state) -> None:
+def write_run_folder(run: Run) -> None:
     """config.yaml, env.json and plan.json (written after every override of the micro-batch), and
     the trackers started with them."""
+    cfg, L, paths = run.cfg, run.launch, run.paths
     env = environment(L.acc)
+    plan = run.plan.as_dict()
     with agreed("writing the run folder", L.acc.device):
         if L.main:
             try:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.yaml").write_text(cfg.to_yaml())
-                write_json(run_dir / "env.json", env)
-                write_json(run_dir / "plan.json", plan)
+                paths.dir.mkdir(parents=True, exist_ok=True)
+                paths.config.write_text(cfg.to_yaml())
+                write_json(paths.env, env)
+                write_json(paths.plan, plan)
             except OSError as e:
-                raise VramfitError(f"Cannot write the run folder {run_dir}: {e.strerror or e}.",
+                raise VramfitError(f"Cannot write the run folder {paths.dir}: {e.strerror or e}.",
                                    hint="pick a writable --output with free space") from None
     from .tracking import start_trackers, tracker_names
 
     if tracker_names(cfg.tracking.tracker):
-        start_trackers(L.acc, cfg, run_dir, run_name, run_id=state.wandb_run_id, env=env, plan=plan)
-
-
-def plan_text(cfg: Config, num_classes: int, world: int) -> str | None:
-    """The memory plan as `vramfit plan` prints it, for the out-of-memory error."""
-    import io
-
-    from .planner import run_plan
-
-    try:
-        buf = io.StringIO()
-        run_plan(cfg, num_classes, num_processes=world, out=buf)
-        return buf.getvalue()
-    except Exception:  # noqa: BLE001 - the error itself is what matters; the plan only adds detail
-        return None
+        start_trackers(L.acc, cfg, paths.dir, paths.name, run_id=run.state.wandb_run_id,
+                       precision=L.precision.name, env=env, plan=plan)

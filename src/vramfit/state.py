@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from .errors import VramfitError
+
+# Where the data position is: a checkpoint without them cannot be resumed.
+POSITION_FIELDS = ("epoch", "step_in_epoch", "global_step")
+
 
 @dataclass
 class TrainerState:
@@ -21,9 +26,9 @@ class TrainerState:
     epoch_skipped_samples: int = 0
     bad_files: dict[str, int] = field(default_factory=dict)
     skipped_steps: int = 0  # fp16 GradScaler skipped the update
-    micro_batch: int = 0  # where the run is now (after any out-of-memory reductions)
+    micro_batch: int = 0  # where the run was at the checkpoint (after any out-of-memory reductions)
     class_names: list[str] = field(default_factory=list)
-    world_size: int = 1
+    world_size: int | None = None  # the processes that wrote it (None: a checkpoint that did not say)
     global_batch: int = 0
     finished: bool = False
     fingerprint: dict = field(default_factory=dict)
@@ -38,12 +43,26 @@ class TrainerState:
     def state_dict(self) -> dict:
         return asdict(self)
 
-    def load_state_dict(self, saved: dict) -> None:
-        """Take every known field the checkpoint holds except the launch's own (unknown keys of a
-        newer or older version are ignored)."""
+    @classmethod
+    def from_saved(cls, saved: dict, where: str) -> "TrainerState":
+        """A checkpoint's trainer_state.json as saved (unknown keys of a newer or older version are
+        ignored; missing ones keep their defaults). Without a valid data position it cannot be
+        resumed: said here, before anything is loaded."""
+        for key in POSITION_FIELDS:
+            if not isinstance(saved.get(key), int) or isinstance(saved.get(key), bool):
+                raise VramfitError(f"Checkpoint {where} has no valid `{key}`: the data position cannot be "
+                                   "restored.", hint="resume from another checkpoint (--resume PATH)")
+        state = cls()
+        for f in fields(cls):
+            if f.name in saved:
+                setattr(state, f.name, saved[f.name])
+        return state
+
+    def continue_from(self, saved: "TrainerState") -> None:
+        """Take everything from a checkpoint's state except what belongs to this launch."""
         for f in fields(self):
-            if f.name in saved and f.name not in self.LAUNCH_FIELDS:
-                setattr(self, f.name, saved[f.name])
+            if f.name not in self.LAUNCH_FIELDS:
+                setattr(self, f.name, getattr(saved, f.name))
 
     def count_bad_files(self, names: list[str]) -> None:
         for name in names:

@@ -10,56 +10,59 @@ import torch
 log = logging.getLogger("vramfit")
 
 
-def build(run_name: str, cfg, L, state, step_state, plan: dict, clock, class_names: list[str],
-          empty_classes: list[str]) -> dict:
-    peak = torch.cuda.max_memory_reserved(L.acc.device) if L.device_type == "cuda" else None
+def build(run, clock) -> dict:
+    """summary.json of a `setup.Run` as it stands (finished or stopped), timed by `loop.Clock`."""
     from .batching import grad_accum_steps
 
+    L, state, step_state, class_names = run.launch, run.state, run.step.state, run.splits.class_names
+    peak = torch.cuda.max_memory_reserved(L.acc.device) if L.device_type == "cuda" else None
     summary = {
-        "run_name": run_name, "best_accuracy": state.best_accuracy, "final_accuracy": state.final_accuracy,
-        "epochs": state.epoch, "global_step": state.global_step, "global_batch": cfg.train.global_batch,
+        "run_name": run.paths.name, "best_accuracy": state.best_accuracy, "final_accuracy": state.final_accuracy,
+        "epochs": state.epoch, "global_step": state.global_step, "global_batch": run.cfg.train.global_batch,
         "micro_batch": step_state.micro_batch,
-        "grad_accum_steps": grad_accum_steps(plan["per_process_batch"], step_state.micro_batch),
-        "num_processes": L.world, "precision": "fp32" if L.precision == "no" else L.precision,
+        "grad_accum_steps": grad_accum_steps(run.micro.per_process_batch, step_state.micro_batch),
+        "num_processes": L.world, "precision": L.precision.name,
         "images_per_second": clock.images_per_second,
         "peak_memory_bytes": peak,
         # The planner's figure for the same quantity (allocator reserve, no CUDA context), at the
         # micro-batch the run started with: the two side by side show how good the plan was.
-        "predicted_peak_memory_bytes": (plan.get("estimate") or {}).get("reserved_bytes"),
+        "predicted_peak_memory_bytes": run.plan.reserved_bytes,
         "skipped_samples": state.skipped_samples, "skipped_steps": state.skipped_steps,
         "oom_retries": step_state.oom_retries, "micro_batch_changes": step_state.history,
         "wall_seconds": clock.wall_seconds, "finished": state.finished,
         "unreadable_files": sorted(state.bad_files),
-        "num_classes": len(class_names), "class_names": class_names, "empty_classes": empty_classes,
+        "num_classes": len(class_names), "class_names": class_names, "empty_classes": run.splits.empty_classes,
     }
     # Every reader of summary.json expects JSON: no NaN or infinity, ever.
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
 
 
-def say_start(cfg, L, run_name: str, splits, micro, plan: dict, steps_per_epoch: int, loaders,
-              resume_notes: list[str], point) -> None:
+def say_start(run) -> None:
+    """The start lines of a `setup.Run`: what it trains on, the notes, the batch split, the resume point."""
+    L, splits, micro, loaders, point = run.launch, run.splits, run.micro, run.loaders, run.start.point
     if not L.main:
         return
-    notes = [*splits.notes, *L.notes, *resume_notes, *plan.get("notes", [])]
-    log.info("vramfit: %s | %s | %d classes, %d train / %d val images%s", run_name, splits.description,
+    notes = [*splits.notes, *L.notes, *run.start.notes, *run.plan.notes]
+    log.info("vramfit: %s | %s | %d classes, %d train / %d val images%s", run.paths.name, splits.description,
              len(splits.class_names), len(splits.train), len(splits.val), "".join(f"\n  note: {n}" for n in notes))
-    precision = "fp32" if L.precision == "no" else L.precision
     log.info("batch: global %d = micro %d x accum %d x %d process(es) | precision %s | device %s | "
-             "%d steps/epoch, %d loader workers (%s)", cfg.train.global_batch, micro.size, micro.grad_accum_steps,
-             L.world, precision, L.acc.device, steps_per_epoch, loaders.workers, loaders.workers_why)
+             "%d steps/epoch, %d loader workers (%s)", run.cfg.train.global_batch, micro.size,
+             micro.grad_accum_steps, L.world, L.precision.name, L.acc.device, run.steps_per_epoch,
+             loaders.workers, loaders.workers_why)
     if point:
         log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", point.path,
-                 point.state["epoch"], point.state["step_in_epoch"], point.state["global_step"])
+                 point.state.epoch, point.state.step_in_epoch, point.state.global_step)
 
 
-def finish(result: dict, L, run_dir, signum: int, state) -> None:
+def finish(result: dict, run, signum: int) -> None:
     """summary.json (every process agrees it was written), the trackers' summary, the last line."""
     from .collectives import agreed
     from .tracking import write_json
 
+    L, state, run_dir = run.launch, run.state, run.paths.dir
     with agreed("writing the summary", L.acc.device):
         if L.main:
-            write_json(run_dir / "summary.json", result)
+            write_json(run.paths.summary, result)
     if signum:
         if L.main:
             log.warning("Stopped by signal %d at global step %d; checkpoint saved. Re-run the same command "

@@ -3,9 +3,9 @@ through Accelerate: how a run is named, grouped and tagged there, and the per-ev
 (per-class accuracy, confusion matrix, the misclassified images).
 
 The training loop calls, in order (main process only where noted by the functions themselves):
-  Accelerator(log_with=log_with(cfg), ...)
-  run_id = wandb_run_id(resumed_state)           # kept in the checkpointed trainer state
-  start_trackers(acc, cfg, run_dir, run_name, run_id=run_id, env=env, plan=plan)
+  Accelerator(log_with=log_with(cfg, run_dir), ...)
+  run_id = wandb_run_id(resumed_state.wandb_run_id)  # kept in the checkpointed trainer state
+  start_trackers(acc, cfg, run_dir, run_name, run_id=run_id, precision=name, env=env, plan=plan)
   RunLog(acc, run_dir, use_trackers=bool(tracker_names(cfg.tracking.tracker))).log(...)  # each step / eval
   log_evaluation(acc, logits, labels, class_names, step, indices=..., load_image=...)   # each eval
   RunLog.summary(summary); acc.end_training()
@@ -37,7 +37,7 @@ def environment(accelerator) -> dict:
     env = {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a str subclass, which YAML (TensorBoard's hparams) would dump as an object
         "torchvision": _version("torchvision"),
         "timm": timm.__version__,
         "accelerate": accelerate.__version__,
@@ -93,7 +93,9 @@ class RunLog:
     """metrics.jsonl on the main process, mirrored to the configured Accelerate trackers."""
 
     def __init__(self, accelerator, run_dir: Path, use_trackers: bool):
-        self.acc, self.path, self.use_trackers = accelerator, Path(run_dir) / "metrics.jsonl", use_trackers
+        from .runfolder import RunPaths
+
+        self.acc, self.path, self.use_trackers = accelerator, RunPaths.at(run_dir).metrics, use_trackers
         # A resumed run appends to the same file: its clock continues where the file ends, so `time`
         # is the wall time the whole run has cost (what `compare` plots accuracy against).
         self.t0 = time.time() - _last_time(self.path)
@@ -163,22 +165,20 @@ def tracker_names(setting: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def log_with(cfg) -> list | None:
+def log_with(cfg, run_dir: Path) -> list | None:
     """`Accelerator(log_with=...)`: W&B by name; TensorBoard as a tracker writing into the run folder
     (`<run>/tensorboard/`), so it needs no Accelerator project_dir and stays with the run."""
     from accelerate.tracking import TensorBoardTracker
 
-    run_dir = Path(cfg.output) / cfg.resolved_run_name()
     trackers = [TensorBoardTracker(TENSORBOARD_DIR, str(run_dir)) if n == "tensorboard" else n
                 for n in tracker_names(cfg.tracking.tracker)]
     return trackers or None
 
 
-def wandb_run_id(resumed_state: dict | None = None) -> str:
-    """The W&B run id: the checkpoint's (a resumed run appends to the same W&B run), else the one a
-    sweep agent or the user set (WANDB_RUN_ID), else a new one. Store it in the checkpointed trainer
-    state as `wandb_run_id`."""
-    kept = (resumed_state or {}).get("wandb_run_id")
+def wandb_run_id(kept: str | None = None) -> str:
+    """The W&B run id: the checkpoint's (`kept`: a resumed run appends to the same W&B run), else
+    the one a sweep agent or the user set (WANDB_RUN_ID), else a new one. Store it in the
+    checkpointed trainer state as `wandb_run_id`."""
     if kept:
         return str(kept)
     if os.environ.get("WANDB_RUN_ID"):
@@ -197,7 +197,8 @@ def dataset_group(source: str) -> str:
     return str(source)
 
 
-def run_tags(cfg, env: dict | None) -> list[str]:
+def run_tags(cfg, env: dict | None, precision: str) -> list[str]:
+    """`precision`: what ran (precision.resolve's name: fp32 | bf16 | fp16), not `auto`."""
     env = env or {}
     device = "cpu"
     if str(env.get("device", "")).startswith("cuda") and env.get("device_names"):
@@ -205,33 +206,38 @@ def run_tags(cfg, env: dict | None) -> list[str]:
         device = f"{n}x {env['device_names'][0]}" if n > 1 else str(env["device_names"][0])
     recipe = Path(cfg.recipe).stem if cfg.recipe else "custom"
     tags = [f"recipe:{recipe}", f"model:{cfg.model.name}", f"device:{device}",
-            f"precision:{cfg.train.precision}"]
+            f"precision:{precision}"]
     return [t[:WANDB_TAG_MAX] for t in tags]
 
 
-def run_config(cfg, env: dict | None = None, plan: dict | None = None) -> dict:
-    """The resolved config with the memory plan and the environment, as the trackers store it."""
-    return scrub({**cfg.model_dump(mode="json"), "plan": plan or {}, "env": env or {}})
+def run_config(cfg, precision: str, env: dict | None = None, plan: dict | None = None) -> dict:
+    """The resolved config with the memory plan and the environment, as the trackers store it:
+    `train.precision` is what ran (`train.requested_precision` what was asked, e.g. `auto`)."""
+    tree = cfg.model_dump(mode="json")
+    tree["train"] = {**tree["train"], "precision": precision, "requested_precision": cfg.train.precision}
+    return scrub({**tree, "plan": plan or {}, "env": env or {}})
 
 
-def wandb_init_kwargs(cfg, run_name: str, run_dir: Path, run_id: str, env: dict | None = None) -> dict:
+def wandb_init_kwargs(cfg, run_name: str, run_dir: Path, run_id: str, precision: str,
+                      env: dict | None = None) -> dict:
     kwargs = {"name": run_name, "id": run_id, "resume": "allow", "dir": str(Path(run_dir).resolve()),
-              "group": dataset_group(cfg.data.source), "tags": run_tags(cfg, env), "job_type": "train"}
+              "group": dataset_group(cfg.data.source), "tags": run_tags(cfg, env, precision),
+              "job_type": "train"}
     if cfg.tracking.entity:
         kwargs["entity"] = cfg.tracking.entity
     return kwargs
 
 
-def start_trackers(acc, cfg, run_dir: Path, run_name: str, *, run_id: str, env: dict | None = None,
-                   plan: dict | None = None) -> None:
+def start_trackers(acc, cfg, run_dir: Path, run_name: str, *, run_id: str, precision: str,
+                   env: dict | None = None, plan: dict | None = None) -> None:
     """Start every configured tracker and store the run's config (+ plan and environment) in it.
-    Call on every process once the run folder exists, after `Accelerator(log_with=log_with(cfg))`."""
+    Call on every process once the run folder exists, after `Accelerator(log_with=log_with(cfg, run_dir))`."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     acc.init_trackers(cfg.tracking.project,
-                      init_kwargs={"wandb": wandb_init_kwargs(cfg, run_name, run_dir, run_id, env)})
+                      init_kwargs={"wandb": wandb_init_kwargs(cfg, run_name, run_dir, run_id, precision, env)})
     if not acc.is_main_process:
         return
-    config = run_config(cfg, env, plan)
+    config = run_config(cfg, precision, env, plan)
     for tracker in acc.trackers:
         # TensorBoard's hparams take only flat scalars; W&B keeps the nesting (filterable in its UI).
         tracker.store_init_configuration(config if tracker.name == "wandb" else flat_config(config))

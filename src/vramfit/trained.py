@@ -49,8 +49,11 @@ class TrainedModel:
         return self.model.pretrained_cfg.get("architecture") or type(self.model).__name__
 
     def run_file(self, name: str):
-        """config.yaml / summary.json / plan.json / env.json of the run, or None if absent."""
-        path = self.run_dir / name
+        """A file of the run folder (runfolder.RunPaths names them: `config`, `summary`, `plan`,
+        `env`), read; None if absent."""
+        from .runfolder import RunPaths
+
+        path = getattr(RunPaths.at(self.run_dir), name)
         if not path.is_file():
             return None
         text = path.read_text()
@@ -79,10 +82,12 @@ class TrainedModel:
 
 def model_dir(run_dir: Path) -> Path:
     """`run/model/`, checked: a clear error for a folder that holds no trained model."""
+    from .runfolder import RunPaths
+
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise VramfitError(f"{run_dir} is not a folder.", hint="pass a run folder such as runs/<run_name>")
-    folder = run_dir / "model"
+    folder = RunPaths.at(run_dir).model
     missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
     if missing:
         raise VramfitError(

@@ -18,7 +18,7 @@ from .estimate import (ALLOCATOR_OVERHEAD_FRACTION, CUDA_CONTEXT_BYTES, CUDA_WOR
                        reported_total_bytes)
 from .report import format_plan, run_plan
 from .tracing import (ACT, BUFFER, BWD, CATEGORY_NAMES, CUDA_AUTOCAST_POLICY, CUDA_ONLY_OPS, GRAD, HOST,
-                      INPUT, OPT, PARAM, STEP, WCAST, cuda_autocast_rules_on_cpu, resolve_precision)
+                      INPUT, OPT, PARAM, STEP, WCAST, cuda_autocast_rules_on_cpu)
 
 __all__ = [
     "ACT", "ALLOCATOR_OVERHEAD_FRACTION", "BUFFER", "BWD", "CATEGORY_NAMES", "CUDA_AUTOCAST_POLICY",
@@ -27,5 +27,5 @@ __all__ = [
     "SEGMENT_BYTES", "STEP", "TRACE_BATCHES", "WCAST", "advise", "budget_bytes_for", "clear_profiles",
     "config_with", "cuda_autocast_rules_on_cpu", "estimate", "estimate_model", "estimate_table",
     "format_plan", "get_profile", "lighter_backbones", "pick_micro_batch", "reported_total_bytes",
-    "resolve_precision", "run_plan",
+    "run_plan",
 ]

@@ -9,8 +9,8 @@ import torch
 
 from ..batching import grad_accum_steps, largest_chunk, resolve_micro_batch
 from ..config import Config
+from ..precision import planned
 from .estimate import GiB, MemoryEstimate, estimate, pick_micro_batch
-from .tracing import resolve_precision
 
 _FAMILIES: list[list[str]] = [
     ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet200"],
@@ -103,7 +103,7 @@ def advise(cfg: Config, num_classes: int, per_process_batch: int, budget_bytes: 
     if pick is not None and (cfg.train.micro_batch == "auto" or largest_chunk(
             per_process_batch, resolve_micro_batch(cfg.train.micro_batch, per_process_batch).size) <= pick):
         return []  # the configured split fits (`auto` takes the pick)
-    prec = resolve_precision(None, cfg)
+    prec = planned(cfg.train.precision).accelerate
     singles: list[tuple[float, str, dict, str]] = []
     if prec == "no":
         singles.append((1, "bf16 autocast", {"train.precision": "bf16"},

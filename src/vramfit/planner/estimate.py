@@ -27,8 +27,9 @@ from ..batching import grad_accum_steps, largest_chunk
 from ..collectives import BLOCK_BYTES, reducer_buffer_bytes
 from ..config import Config
 from ..errors import VramfitError
+from ..precision import planned
 from .tracing import (BUFFER, BWD, CATEGORY_NAMES, GRAD, HOST, INPUT, OPT, PARAM, STEP, WCAST, ACT,
-                      AllocationLog, Tracer, resolve_precision)
+                      AllocationLog, Tracer)
 
 GiB = 2**30
 MiB = 2**20
@@ -286,12 +287,12 @@ def estimate(cfg: Config, num_classes: int, micro_batch: int, precision: str | N
              num_processes: int = 1, per_process_batch: int | None = None) -> MemoryEstimate:
     """Predicted memory of one steady-state step at `micro_batch` (see MemoryEstimate).
 
-    `precision` None -> cfg.train.precision; `auto` plans as bf16. The per-process batch (default
+    `precision` None -> cfg.train.precision, resolved by `precision.planned` (`auto` plans as bf16). The per-process batch (default
     global_batch / num_processes) sizes the input batch and how the share is split.
     """
     if micro_batch < 1:
         raise VramfitError(f"micro_batch must be >= 1, got {micro_batch}")
-    prec = resolve_precision(precision, cfg)
+    prec = planned(precision or cfg.train.precision).accelerate
     prof = get_profile(cfg, num_classes, prec)
     return _estimate_from(prof, micro_batch, _per_process(cfg, num_processes, per_process_batch),
                           num_processes, prec)
@@ -301,7 +302,7 @@ def estimate_model(model_fn, cfg: Config, micro_batch: int, precision: str | Non
                    per_process_batch: int | None = None) -> MemoryEstimate:
     """`estimate` for any `nn.Module` built by `model_fn()` (not cached; used by the tests to check
     the trace against hand counts). The model must take (N, 3, image_size, image_size) images."""
-    prec = resolve_precision(precision, cfg)
+    prec = planned(precision or cfg.train.precision).accelerate
     prof = Profile(cfg, 0, prec, model_fn)
     return _estimate_from(prof, micro_batch, _per_process(cfg, 1, per_process_batch), 1, prec)
 
@@ -309,7 +310,7 @@ def estimate_model(model_fn, cfg: Config, micro_batch: int, precision: str | Non
 def estimate_table(cfg: Config, num_classes: int, micro_batches: list[int], precision: str | None = None, *,
                    num_processes: int = 1, per_process_batch: int | None = None) -> list[MemoryEstimate]:
     """One estimate per micro-batch, from one traced model (two traces in all)."""
-    prec = resolve_precision(precision, cfg)
+    prec = planned(precision or cfg.train.precision).accelerate
     prof = get_profile(cfg, num_classes, prec)
     per = _per_process(cfg, num_processes, per_process_batch)
     return [_estimate_from(prof, m, per, num_processes, prec) for m in micro_batches]
@@ -325,7 +326,7 @@ def pick_micro_batch(cfg: Config, num_classes: int, per_process_batch: int, budg
     smallest of them, the size of its largest chunk (a share of 128 where 64 fits and 65 does
     not: 64, not 127, which splits the same way).
     """
-    prec = resolve_precision(precision, cfg)
+    prec = planned(precision or cfg.train.precision).accelerate
     prof = get_profile(cfg, num_classes, prec)
     per = per_process_batch
     tried: dict[int, MemoryEstimate] = {}

@@ -9,12 +9,12 @@ from typing import Any
 
 from ..batching import MicroBatch, grad_accum_steps, per_process_batch, resolve_micro_batch
 from ..config import Config
+from ..precision import planned
 from .advice import advise, config_with
 from ..collectives import BLOCK_BYTES
 from .estimate import (ALLOCATOR_OVERHEAD_FRACTION, CUDA_CONTEXT_BYTES, CUDA_WORKSPACE_BYTES, GiB,
                        budget_bytes_for, estimate_table, get_profile, pick_micro_batch,
                        reported_total_bytes)
-from .tracing import resolve_precision
 
 
 def _gib(n: int | float) -> str:
@@ -49,7 +49,7 @@ def run_plan(cfg: Config, num_classes: int, num_processes: int = 1, memory_gib: 
     detected card's reported total instead of a card size (`vramfit doctor`)."""
     t0 = time.perf_counter()
     per_proc = per_process_batch(cfg.train.global_batch, num_processes)
-    prec = resolve_precision(None, cfg)
+    prec = planned(cfg.train.precision).accelerate
     budget = budget_bytes_for(cfg, memory_gib, total_bytes)
     requested = micro_batch if micro_batch is not None else cfg.train.micro_batch
     mb, pick = _micro_batch(cfg, num_classes, per_proc, num_processes, budget, requested)

@@ -4,8 +4,9 @@
    download, freezing / BN policy / grad checkpointing / channels_last applied) and the exact
    optimizer (`optim.create_optimizer`), then move every parameter and buffer to *fake* tensors
    (`FakeTensorMode`): shapes, dtypes and strides without memory.
-2. Run one training step the way `engine.train_step` runs it (autocast forward, fp32 logits, summed
-   cross-entropy, backward, clip, optimizer step with its state already allocated, zero_grad) under
+2. Run one micro-batch of the trainer's own step (`engine.StepMaths`, the definition `TrainStep`
+   runs: forward, summed loss, backward, gradient norm / clip, optimizer update with its state
+   already allocated), with what Accelerate adds (autocast, fp32 logits, loss scaling), under
    a small `TorchDispatchMode` that sees every tensor the step creates and a weakref finaliser on
    every storage, so it knows the live bytes after each op.
 
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import Config, accelerate_precision
+from ..config import Config
 from ..errors import VramfitError
 
 # ---------------------------------------------------------------------------------------------
@@ -296,16 +297,6 @@ class AllocationLog:
 # Building the fake model and tracing one step
 
 
-def resolve_precision(precision: str | None, cfg: Config | None = None) -> str:
-    """As Accelerate names it (`no` is fp32); `auto` plans as bf16 (what the trainer picks on any
-    GPU with bf16)."""
-    p = accelerate_precision(precision or (cfg.train.precision if cfg is not None else "auto"))
-    p = {"auto": "bf16", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(p, p)
-    if p not in ("no", "bf16", "fp16"):
-        raise VramfitError(f"Unknown precision `{p}` for planning.", hint="use fp32, bf16, fp16 or auto")
-    return p
-
-
 def build_fake(cfg: Config, num_classes: int, fake_mode, on_meta: bool, model_fn=None):
     from ..models import create_model
     from ..optim import create_optimizer
@@ -388,46 +379,47 @@ class Tracer:
                     end_backward=rec.end_backward, grads=np.array(self._grad_indices, dtype=np.int64))
 
     def _step(self, rec, model, optimizer, trainable, batch, size, lp, fmt):
-        """engine.train_step for one micro-batch, then clip + optimizer step + zero_grad."""
-        tcfg = self.cfg.train
-        # The normalized per-process batch (run.py: normalize(batch.images)) lives for the whole
+        """One micro-batch of the trainer's own step (engine.StepMaths: forward, loss, backward),
+        then its gradient norm / clip and optimizer update, with what Accelerate adds around them
+        (autocast and fp32 logits, GradScaler's scale and unscale)."""
+        from ..engine import step_maths
+
+        maths = step_maths(self.cfg.train)
+        # The normalized per-process batch (loop: normalize(batch.images)) lives for the whole
         # step; micro-batches are views of it. Traced at `batch`, re-sized to the per-process batch
         # when evaluated (category INPUT).
         rec.phase = INPUT
         images = torch.empty((batch, 3, size, size), dtype=torch.float32, memory_format=fmt)
         labels = torch.zeros((batch,), dtype=torch.long)
         rec.phase = ACT
-        if lp is not None:
+
+        def forward(x):
+            if lp is None:
+                return model(x)
             _CACHE.enabled, _CACHE.casts = True, {}
             with torch.autocast("cpu", dtype=lp):
-                logits = model(images)
+                logits = model(x)
             _CACHE.enabled, _CACHE.casts = False, {}
-            logits = logits.float()  # accelerate's convert_outputs_to_fp32
-        else:
-            logits = model(images)
-        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum",
-                                                 label_smoothing=tcfg.label_smoothing)
-        rec.end_forward = len(rec.events)
-        rec.phase = BWD
-        scaled = loss / batch
-        if self.precision == "fp16":
-            scaled = scaled * 65536.0  # GradScaler.scale
-        if scaled.requires_grad:  # (everything frozen: nothing to do)
-            scaled.backward()
-        del scaled
-        loss_sum = loss.detach()
-        correct = (logits.detach().argmax(1) == labels).sum()
-        del logits, loss, correct, loss_sum
+            return logits.float()  # accelerate's convert_outputs_to_fp32
+
+        def backward(scaled):
+            rec.end_forward = len(rec.events)
+            rec.phase = BWD
+            if self.precision == "fp16":
+                scaled = scaled * 65536.0  # GradScaler.scale
+            if scaled.requires_grad:  # (everything frozen: nothing to do)
+                scaled.backward()
+
+        loss_sum, correct = maths.micro_batch(forward, backward, images, labels, batch)
+        del loss_sum, correct
         rec.end_backward = len(rec.events)
         self._grad_indices = [i for i in (rec.index_of(p.grad) for p in trainable if p.grad is not None)
                               if i is not None]
         rec.phase = STEP
         if self.precision == "fp16":  # GradScaler.unscale_: in place
             torch._foreach_mul_([p.grad for p in trainable if p.grad is not None], 1.0 / 65536.0)
-        if tcfg.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(trainable, tcfg.clip_grad_norm)
         if trainable:
-            optimizer.step()
+            maths.grad_norm(torch.nn.utils.clip_grad_norm_, trainable)
+            maths.update(optimizer)
         optimizer.zero_grad(set_to_none=True)
         del images, labels
-

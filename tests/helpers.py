@@ -1,0 +1,132 @@
+"""What the tests share: the tiny run's arguments, generated data, the timm data config of a 32 px
+run, and the host-read counter. Fixtures live in conftest.py; everything else a second test
+module needs lives here (no test module imports another)."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ImageNet's mean and std, as a timm data config gives them.
+MEAN_STD = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+# timm's data config of a 32 px run (what models.data_config gives the tiny models).
+DATA_CFG_32 = {"input_size": (3, 32, 32), "interpolation": "bilinear", **MEAN_STD, "crop_pct": 0.875}
+
+
+def transforms_32(device_type: str = "cpu"):
+    """The (train, val) loader transforms of a 32 px run."""
+    from vramfit import data as D
+    from vramfit.config import DataConfig
+
+    return D.build_transforms(DataConfig(image_size=32), DATA_CFG_32, device_type)
+
+
+# The tensor methods that read a value back to the host: on a GPU each one waits for the device.
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+class HostReads:
+    """Records, while `on`, every call of the given tensor methods (`seen`); counted on a CPU, they
+    are the waits a GPU would have (`torch.cuda.set_sync_debug_mode` shows the same there)."""
+
+    def __init__(self, monkeypatch, names=HOST_READS, on: bool = False):
+        import torch
+
+        self.seen: list[str] = []
+        self.on = on
+        for name in names:
+            monkeypatch.setattr(torch.Tensor, name, self._watch(getattr(torch.Tensor, name), name))
+
+    def _watch(self, real, name):
+        def watched(tensor, *args, **kwargs):
+            if self.on:
+                self.seen.append(name)
+            return real(tensor, *args, **kwargs)
+        return watched
+
+
+TINY_STEPS_PER_EPOCH = 30  # 480 training images / global batch 16
+
+
+def tiny_args(*extra):
+    """A seeded tiny run on a 480/120 subset of the built-in digits: test_resnet at 32 px, no workers."""
+    return ["--data", "digits", "--model", "test_resnet", "--image-size", "32", "--global-batch", "16",
+            "--epochs", "1", "--set", "data.num_workers=0", "--set", "data.hflip=0",
+            "--set", "data.val_fraction=0.2", "--set", "data.limit_train_samples=480",
+            "--set", "data.limit_val_samples=120", *extra]
+
+
+# ---- generated data ---------------------------------------------------------------------------
+
+
+def encode(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def picture(w: int, h: int, seed: int, mode: str = "RGB") -> Image.Image:
+    """A gradient in a class-ish colour plus noise: compresses like a photo, not like flat colour."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, 3)
+    ramp = np.linspace(0, 80, w)[None, :, None]
+    a = np.clip(base[None, None, :] + ramp + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+    img = Image.fromarray(a)
+    return img if mode == "RGB" else img.convert(mode)
+
+
+def save(path: Path, img: Image.Image, fmt: str | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, fmt) if fmt else img.save(path)
+    return path
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def class_tree(root: Path, counts: dict[str, int], size=(24, 20), seed=0, ext=".png") -> Path:
+    for c, n in counts.items():
+        for i in range(n):
+            save(root / c / f"{i:03d}{ext}", picture(*size, seed=seed * 1000 + hash(c) % 997 + i))
+    return root
+
+
+BAD_KINDS = ("zero-byte", "truncated-jpeg", "random-bytes", "truncated-png")
+
+
+def bad_file(path_dir: Path, kind: str) -> Path:
+    if kind == "zero-byte":
+        return write_bytes(path_dir / "zero.jpg", b"")
+    if kind == "truncated-jpeg":
+        return write_bytes(path_dir / "cut.jpg", encode(picture(64, 48, 1), "JPEG")[:600])
+    if kind == "random-bytes":
+        return write_bytes(path_dir / "noise.jpg", np.random.default_rng(2).bytes(3000))
+    if kind == "truncated-png":
+        return write_bytes(path_dir / "cut.png", encode(picture(64, 48, 3), "PNG")[:400])
+    raise ValueError(kind)
+
+
+def cfg(source, **kw):
+    """A DataConfig reading `source`."""
+    from vramfit.config import DataConfig
+
+    return DataConfig(source=str(source), **kw)
+
+
+def train_args(data, out, *extra):
+    return ["--data", str(data), "--model", "test_resnet", "--image-size", "32", "--epochs", "1",
+            "--global-batch", "8", "--set", "data.num_workers=0", *extra]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
