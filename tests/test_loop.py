@@ -1,8 +1,10 @@
 """The run loop's own rules: the logged LR, what a resume says it changed, plan.json after every
 override, runs whose validation images are all unreadable, and an --output that cannot be written."""
+import contextlib
 import json
 import logging
 import os
+import subprocess
 
 import pytest
 import torch
@@ -102,36 +104,86 @@ def test_an_output_path_that_is_a_file_is_said_before_anything_loads(tmp_path, c
     assert "Traceback" not in err and "classes" not in err  # stopped before the data was loaded
 
 
-def test_a_full_disk_mid_run_says_so_keeps_the_last_checkpoint_and_resumes(train_cli, tmp_path, monkeypatch,
-                                                                          capsys):
+@contextlib.contextmanager
+def small_disk(path, size: str):
+    """A real file system of `size` at `path` (a tmpfs: needs root and mount); None where the
+    machine cannot mount one (the caller then uses a stand-in writer)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                                   capture_output=True).returncode == 0
+    try:
+        yield path if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_disk_mid_save_says_so_keeps_the_last_checkpoint_and_resumes_bitwise(train_cli, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """A disk with room for one checkpoint and not two: torch's zip writer fails writing the
+    optimizer state of the second (`unexpected pos`, not an OSError). Exit 2, the cause named, the
+    half-written folder gone, the first checkpoint kept; moved to a disk with room, the run resumes
+    from it and ends with the weights of the uninterrupted tiny run."""
     import errno
+    import shutil
 
     from accelerate import Accelerator
+    from safetensors.torch import load_file
 
+    from _trained_runs import trained_run
     from vramfit import checkpoint
     from vramfit.cli import main
     from vramfit.launch import forget
 
-    real, calls = Accelerator.save_state, [0]
-
-    def filling_disk(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(Accelerator, "save_state", filling_disk)
     args = tiny_args("--set", "checkpoint.every_steps=10")
-    out = tmp_path / "runs"
-    with pytest.raises(SystemExit) as e:
-        main(["train", *args, "--output", str(out), "--run-name", "full"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "the disk is full" in err and "step-10" in err and "Traceback" not in err
-    assert [s for s, _ in checkpoint.list_steps(out / "full" / "checkpoints")] == [10]
-    monkeypatch.setattr(Accelerator, "save_state", real)
+    with small_disk(tmp_path / "disk", "7m") as disk:
+        if disk is None:  # stand-in: the second save fails as a full disk does
+            real, calls = Accelerator.save_state, [0]
+
+            def filling_disk(self, *a, **kw):
+                calls[0] += 1
+                if calls[0] == 2:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real(self, *a, **kw)
+
+            monkeypatch.setattr(Accelerator, "save_state", filling_disk)
+        out = disk or tmp_path / "runs"
+        with pytest.raises(SystemExit) as e:
+            main(["train", *args, "--output", str(out), "--run-name", "full"])
+        err = " ".join(capsys.readouterr().err.split())
+        assert e.value.code == 2 and "the disk is full" in err and "step-10 (kept)" in err and "Traceback" not in err
+        ckpts = out / "full" / "checkpoints"
+        assert [s for s, _ in checkpoint.list_steps(ckpts)] == [10] and not list(ckpts.glob(".tmp-*"))
+        shutil.copytree(out / "full", tmp_path / "moved" / "full")
+    monkeypatch.undo()
     forget()
-    run_dir, code = train_cli(*args, run_name="full", output=out)
+    run_dir, code = train_cli(*args, run_name="full", output=tmp_path / "moved")
     assert code == 0 and json.loads((run_dir / "summary.json").read_text())["global_step"] == 30
+    reference = trained_run("a")
+    if reference.real:  # the same run uninterrupted (checkpoint.every_steps changes nothing)
+        ours, theirs = (load_file(p / "model" / "model.safetensors") for p in (run_dir, reference.path))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_file_size_limit_mid_save_says_so_and_leaves_no_half_checkpoint(tmp_path, capsys):
+    """`ulimit -f`: the optimizer state (3 MB) is larger than the limit the weights (1.5 MB) fit
+    in; torch's writer reports it as `unexpected pos`. Exit 2 naming the limit, nothing half-written."""
+    import resource
+
+    from vramfit.cli import main
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, hard))
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["train", *tiny_args("--set", "checkpoint.every_steps=10", "--set", "data.limit_train_samples=160"),
+                  "--output", str(tmp_path), "--run-name", "limit"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and "file size limit (ulimit -f: 2000000 bytes)" in err and "Traceback" not in err
+    assert "Last complete checkpoint: none (kept)" in err
+    assert not list((tmp_path / "limit" / "checkpoints").iterdir())
 
 
 def test_the_data_identity_sees_new_files_under_the_same_path(tmp_path):
@@ -167,3 +219,30 @@ def test_a_fixed_micro_batch_that_will_not_fit_is_said_at_start_with_one_that_do
     auto = batching.resolve_micro_batch("auto", 256, pick=lambda share: fits)
     (said,) = setup.fit_notes(cfg, L, 10, auto, 9 * 2**30)
     assert f"micro-batch {fits} picked for this card: predicted peak 9.00 GiB" in said
+
+
+@pytest.mark.parametrize("extra, code, said", [
+    (["--global-batch", "1"], 2, "cannot train on fewer than 2 at once"),
+    (["--micro-batch", "1"], 2, "use --micro-batch 2"),
+    (["--set", "debug.simulate_oom_above=1"], 3, "Out of memory even at micro-batch 2 (train-mode BatchNorm"),
+])
+def test_a_batch_of_one_with_batchnorm_is_refused_or_stops_at_two(tmp_path, capsys, extra, code, said):
+    """Train-mode BatchNorm cannot train on one sample: a share or micro-batch of 1 is refused at
+    start with the fix, and the out-of-memory retry stops at 2 with exit 3 and the plan."""
+    from vramfit.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", *tiny_args("--set", "data.limit_train_samples=32", *extra), "--output", str(tmp_path),
+              "--run-name", "one"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == code and said in err and "Traceback" not in err and "Expected more than 1" not in err
+    if code == 2:
+        assert "model.bn=freeze" in err and not (tmp_path / "one" / "checkpoints").exists()
+    else:
+        assert "micro-batch" in err and "GiB" in err  # the plan is printed with it
+
+
+def test_a_micro_batch_of_one_trains_with_frozen_batchnorm(train_cli):
+    run_dir, code = train_cli(*tiny_args("--micro-batch", "1", "--set", "model.bn=freeze",
+                                         "--set", "data.limit_train_samples=32", "--set", "data.limit_val_samples=16"))
+    assert code == 0 and json.loads((run_dir / "summary.json").read_text())["micro_batch"] == 1

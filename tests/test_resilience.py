@@ -288,3 +288,53 @@ def test_signal_during_evaluation_saves_the_trained_epoch(train_cli, reference):
 def _evals(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(r["epoch"], r["val_accuracy"]) for r in rows if r["kind"] == "eval"]
+
+
+def test_the_record_after_a_crash_and_resume_is_the_uninterrupted_runs(train_cli, reference):
+    """A run that dies between saves (here a NaN stop, exit 4, at step 14; the last save was step
+    10) leaves lines for steps its checkpoint does not hold. The resumed run drops them first, so
+    metrics.jsonl records each step once, with the uninterrupted run's figures."""
+    from vramfit.errors import VramfitError
+
+    args = (*ARGS, "--set", "checkpoint.every_steps=10")
+    with pytest.raises(VramfitError):
+        train_cli(*args, "--set", "debug.nan_at_step=14", run_name="crash")
+    run_dir, code = train_cli(*args, run_name="crash")
+    assert code == 0
+
+    def record(d):
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        return [(r["kind"], r["step"], r.get("loss"), r.get("val_accuracy")) for r in rows]
+
+    assert record(run_dir) == record(reference)
+
+
+def test_a_second_run_into_a_held_run_folder_stops_naming_the_first(tmp_path, train_cli, capsys):
+    """The same command started twice: the second exits 2 at once, naming the run that holds the
+    folder, and writes nothing into it; once the first ends (here: killed) the folder is free."""
+    from vramfit.cli import main
+    from vramfit.runfolder import RunPaths
+
+    lock = RunPaths.at(tmp_path / "runs" / "twice").lock
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, time
+        f = open({str(lock)!r}, "a+")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write("pid 4242 on elsewhere, since earlier"); f.flush()
+        print("held", flush=True)
+        time.sleep(120)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit) as e:
+            main(["train", *tiny_args(), "--output", str(tmp_path / "runs"), "--run-name", "twice"])
+        err = " ".join(capsys.readouterr().err.split())
+        assert e.value.code == 2 and "is in use by another run (pid 4242 on elsewhere" in err
+        assert sorted(p.name for p in lock.parent.iterdir()) == [".vramfit.lock"]
+    finally:
+        holder.kill()  # SIGKILL: the OS drops its lock
+        holder.wait()
+    run_dir, code = train_cli(*tiny_args("--set", "data.limit_train_samples=32", "--set", "data.limit_val_samples=16"),
+                              run_name="twice")
+    assert code == 0 and "pid " in lock.read_text()

@@ -213,3 +213,16 @@ def test_sweep_runs_every_grid_point_with_its_own_run_folder(tmp_path):
         cfg = build_config(ns.recipe, ns.sets, {**flags, "run_name": ns.run_name})
         assert (cfg.model.name, cfg.train.precision, cfg.model.grad_checkpointing) == values
         assert cfg.run_name == f"sweep-id{i}" and cfg.recipe == "rtx3060" and cfg.tracking.tracker == "wandb"
+
+
+def test_the_record_continues_from_the_checkpoint_and_a_fresh_start_keeps_the_old_aside(tmp_path):
+    from vramfit.tracking import continue_record
+
+    f = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "kind": "train", "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
+    f.write_text("\n".join(lines) + "\n" + '{"step": 5, "kind": "tr')  # cut short by a kill
+    continue_record(f, 2)
+    assert f.read_text() == "\n".join(lines[:2]) + "\n"
+    continue_record(f, None)  # every checkpoint was damaged: the run starts over
+    assert not f.exists() and [p.read_text() for p in tmp_path.glob("metrics.jsonl.before-*")] == \
+        ["\n".join(lines[:2]) + "\n"]

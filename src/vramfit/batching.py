@@ -118,6 +118,20 @@ class MicroBatch:
                 "micro_batch_note": self.note}
 
 
+def _check_min_size(requested, per_process: int, min_size: int) -> None:
+    if per_process < min_size:
+        raise VramfitError(
+            f"Each process takes {per_process} sample(s) of the global batch per step, and this model's "
+            f"train-mode BatchNorm cannot train on fewer than {min_size} at once.",
+            hint=f"raise --global-batch to at least {min_size} per process, or fix the BatchNorm statistics "
+                 "with --set model.bn=freeze")
+    if isinstance(requested, int) and requested < min_size:
+        raise VramfitError(
+            f"--micro-batch {requested}: this model's train-mode BatchNorm cannot train on fewer than "
+            f"{min_size} samples at once.",
+            hint=f"use --micro-batch {min_size} (or auto), or fix the BatchNorm statistics with --set model.bn=freeze")
+
+
 def eval_batch(configured: int | None, micro: MicroBatch) -> int:
     """Samples per evaluation forward (`train.eval_batch`, or): evaluation keeps no activations for
     backward, no gradients and no optimizer state, so the training micro-batch always fits, and up
@@ -127,7 +141,7 @@ def eval_batch(configured: int | None, micro: MicroBatch) -> int:
 
 def resolve_micro_batch(requested: int | str | None, per_process: int, *,
                         pick: Callable[[int], int] | None = None,
-                        resumed: int | None = None) -> MicroBatch:
+                        resumed: int | None = None, min_size: int = 1) -> MicroBatch:
     """The one rule for the micro-batch, for training, `plan` and `auto` alike.
 
     `requested`: the config's `train.micro_batch` (a number, `auto`, or None for the whole share).
@@ -135,14 +149,17 @@ def resolve_micro_batch(requested: int | str | None, per_process: int, *,
     runs the whole share at once (nothing to size against, e.g. on a CPU).
     `resumed`: the micro-batch an interrupted run had come down to after running out of memory;
     a resumed run continues there rather than run out of memory again.
+    `min_size`: the fewest samples the model can train on at once (models.min_micro_batch: 2 with
+    train-mode BatchNorm); a share or a micro-batch below it is refused with the fix.
     """
+    _check_min_size(requested, per_process, min_size)
     if requested is None:
         mb = MicroBatch(per_process, per_process, "whole share")
     elif requested == "auto":
         if pick is None:
             mb = MicroBatch(per_process, per_process, "auto without a device to size against: whole share")
         else:
-            mb = MicroBatch(min(max(1, int(pick(per_process))), per_process), per_process, "auto")
+            mb = MicroBatch(min(max(min_size, int(pick(per_process))), per_process), per_process, "auto")
     elif int(requested) > per_process:
         # A recipe's micro-batch is what fits its card; with more processes each holds fewer
         # samples, so the same recipe runs unchanged on 8 GPUs with the whole share at once.
@@ -151,7 +168,7 @@ def resolve_micro_batch(requested: int | str | None, per_process: int, *,
                              f"batch ({per_process}): each step runs its {per_process} samples at once")
     else:
         mb = MicroBatch(int(requested), per_process, "configured")
-    if resumed is not None and 1 <= resumed < mb.size:
+    if resumed is not None and min_size <= resumed < mb.size:
         return MicroBatch(resumed, per_process, "resumed",
                           note=f"continuing at micro-batch {resumed}, where the interrupted run had come "
                                f"down to after out-of-memory errors (instead of {mb.size}; "

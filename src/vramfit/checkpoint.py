@@ -115,25 +115,81 @@ def _complete(tmp: Path, final: Path, root: Path, step: int, trainer_state: dict
 
 @contextlib.contextmanager
 def _writing(root: Path, tmp: Path):
-    """A checkpoint that cannot be written (full disk, lost permissions) is an error that says so
-    and keeps the last complete checkpoint; the half-written one is removed."""
+    """A checkpoint that cannot be written (full disk, a file size limit, lost permissions) is an
+    error that says so and keeps the last complete checkpoint; the half-written one is removed at
+    once. The cause is read from the storage (errno, the file size limit, a write probe, the free
+    space), not from the writer's wording: torch's zip writer says a full disk as `unexpected pos`."""
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - filtered below; anything else re-raises unchanged
-        text = str(e)
-        disk = isinstance(e, OSError) or type(e).__name__ == "SafetensorError" or any(
-            w in text for w in ("No space left", "write failed", "Disk quota", "Read-only file system"))
-        if not disk:
-            raise
+    except Exception as e:  # noqa: BLE001 - a storage fault is reported below; anything else re-raises
+        cause = storage_fault(e, root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if cause is None:
+            raise
         last = latest(root)
-        full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text
         raise VramfitError(
-            f"Could not write a checkpoint into {root}: "
-            f"{'the disk is full' if full else f'{type(e).__name__}: {text.splitlines()[0][:200]}'}. "
-            f"Last complete checkpoint: {last or 'none'} (kept).",
-            hint="free space (or fix the folder's permissions) and re-run the same command: it resumes "
-                 "from the last complete checkpoint") from None
+            f"Could not write a checkpoint into {root}: {cause}. Last complete checkpoint: {last or 'none'} (kept).",
+            hint="free space (or raise the limit, or fix the folder's permissions) and re-run the same command: "
+                 "it resumes from the last complete checkpoint") from None
+
+
+# errno -> what the user is told; these are the storage's faults, never the program's.
+STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                  errno.EFBIG: "a file reached the file size limit (ulimit -f)",
+                  errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                  errno.EPERM: "permission denied", errno.EIO: "an input/output error on the disk"}
+PROBE_BYTES = 1 << 20
+
+
+def storage_fault(error: BaseException, root: Path, written: Path | None = None) -> str | None:
+    """What about the storage under `root` made `error` happen, or None when the storage is fine
+    (the error is the program's). Checked in order: an OSError with a storage errno anywhere in the
+    exception's chain; a file in `written` that reached the file size limit; a write probe that
+    fails; free space under one probe."""
+    cause = errno_fault(error)
+    if cause is not None:
+        return cause
+    limit = _file_size_limit()
+    if limit is not None and written is not None and written.is_dir():
+        sizes = [f.stat().st_size for f in written.rglob("*") if f.is_file()]
+        if sizes and max(sizes) >= limit - PROBE_BYTES:
+            return f"a file reached the file size limit (ulimit -f: {limit} bytes)"
+    probe = Path(root) / f".vramfit-space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:
+        return STORAGE_ERRNOS.get(probe_error.errno, probe_error.strerror or str(probe_error))
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(root).free < PROBE_BYTES:
+            return STORAGE_ERRNOS[errno.ENOSPC]
+    return None
+
+
+def errno_fault(error: BaseException) -> str | None:
+    """The storage fault an OSError anywhere in `error`'s chain names by its errno, or None."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+            return STORAGE_ERRNOS[e.errno] + where
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def is_complete(path: Path, verify: bool = True) -> bool:

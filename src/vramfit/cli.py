@@ -228,12 +228,17 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("\nvramfit: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # noqa: BLE001 - only another process's failure is turned into a line here
+    except Exception as e:  # noqa: BLE001 - another process's failure and a storage fault become a line here
+        from .checkpoint import errno_fault
         from .collectives import ProcessFailed
 
-        if not isinstance(e, ProcessFailed):
+        fault = errno_fault(e)
+        if fault is not None:  # a write the run needed (metrics, summary, model/) hit a full or locked disk
+            _print_error(VramfitError(f"{fault[:1].upper()}{fault[1:]}. Everything saved before it is kept.",
+                                      hint="free space (or fix the permissions) and re-run the same command"))
+        elif not isinstance(e, ProcessFailed):
             raise
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        elif os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"\nvramfit: error: {e}; its message is printed by that process.", file=sys.stderr)
         _close_process_group()
         sys.exit(2)

@@ -156,7 +156,7 @@ class TrainStep:
 
     def __init__(self, accelerator, model, optimizer, micro_batch: int, *, label_smoothing: float = 0.0,
                  clip_grad_norm: float | None = None, check_grad_norm: bool = True, oom_retries: int = 0,
-                 recomputes: bool = False, maths: StepMaths | None = None):
+                 recomputes: bool = False, maths: StepMaths | None = None, min_micro_batch: int = 1):
         self.acc, self.model, self.optimizer = accelerator, model, optimizer
         self.device = accelerator.device
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -166,6 +166,7 @@ class TrainStep:
         self.state = StepState(micro_batch=micro_batch, oom_retries=oom_retries)
         self.maths = maths or StepMaths(label_smoothing=label_smoothing, clip_grad_norm=clip_grad_norm)
         self.check_grad_norm = check_grad_norm
+        self.min_micro_batch = min_micro_batch  # models.min_micro_batch: the OOM retry stops there
         self.recomputes = recomputes and any(True for _ in model.buffers())  # gradient checkpointing
         self.zero_loss = torch.zeros((), device=self.device)
         self.zero_hits = torch.zeros((), device=self.device, dtype=torch.int64)
@@ -269,24 +270,24 @@ class TrainStep:
                           signum=verdict.signum)
 
     def _shrink(self, why: str) -> None:
-        if self.state.micro_batch <= 1:
+        if self.state.micro_batch <= self.min_micro_batch:
             raise MicroBatchExhausted(why)
-        new = batching.smaller_micro_batch(self.state.micro_batch)
+        new = max(self.min_micro_batch, batching.smaller_micro_batch(self.state.micro_batch))
         self.state.history.append({"from": self.state.micro_batch, "to": new, "why": why})
         self.state.micro_batch = new
         self.state.oom_retries += 1
 
     def _after_thrash(self) -> None:
-        """The allocator had to free cached blocks to fit: split smaller next time. At micro-batch
-        1 there is nothing smaller; the step did finish, so it is a warning, never an error."""
-        if self.state.micro_batch > 1:
+        """The allocator had to free cached blocks to fit: split smaller next time. At the smallest
+        micro-batch there is nothing smaller; the step did finish, so it is a warning, never an error."""
+        if self.state.micro_batch > self.min_micro_batch:
             self._shrink("allocator thrashing")
         elif not self.state.thrash_warned:
             import logging
 
             self.state.thrash_warned = True
             logging.getLogger("vramfit").warning(
-                "memory: the allocator had to free its cache to fit micro-batch 1 (steps are slower); "
+                "memory: the allocator had to free its cache to fit the smallest micro-batch (steps are slower); "
                 "a lighter --model, --precision bf16 or --grad-checkpointing would leave more room")
 
     def _fsdp_step(self, images, labels, step_samples, shares, stop_requested, bad_files, maths: StepMaths):
@@ -370,10 +371,11 @@ def _alloc_retries(device) -> int:
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
-def oom_message(plan_text: str | None) -> VramfitError:
+def oom_message(plan_text: str | None, smallest: int = 1) -> VramfitError:
+    why = " (train-mode BatchNorm needs 2 samples per forward)" if smallest > 1 else ""
     return VramfitError(
-        "Out of memory even at micro-batch 1: this model/image size/precision does not fit this "
-        "device." + (f"\n{plan_text}" if plan_text else ""),
+        f"Out of memory even at micro-batch {smallest}{why}: this model/image size/precision does not fit "
+        "this device." + (f"\n{plan_text}" if plan_text else ""),
         hint="try --precision bf16, --grad-checkpointing, a smaller --set data.image_size, frozen "
              "early stages (--set model.freeze=[...]) or a lighter --model; `vramfit plan` shows "
              "the predicted peak of each", exit_code=3)

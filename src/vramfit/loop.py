@@ -141,7 +141,7 @@ class Trainer:
                                        "between micro-batches")
         except MicroBatchExhausted:
             self.dump_memory()
-            raise oom_message(self.run.plan_text()) from None
+            raise oom_message(self.run.plan_text(), self.step.min_micro_batch) from None
         except NonFiniteLoss as e:
             raise self.nonfinite_error(e, batch) from None
         self.count(res, batch)

@@ -125,6 +125,18 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
+# BatchNorm that normalises with the statistics of its own batch in train mode (timm's BatchNormAct2d
+# is a BatchNorm2d); `model.bn: freeze` turns them into FrozenBatchNorm2d, which is none of these.
+BATCH_STATISTICS_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def min_micro_batch(model: nn.Module) -> int:
+    """The fewest samples one training forward of `model` can take: 2 with train-mode BatchNorm
+    (one sample has no batch statistics: torch refuses it where a feature map is 1x1, and its
+    statistics are noise everywhere else), else 1."""
+    return 2 if any(isinstance(m, BATCH_STATISTICS_NORMS) for m in model.modules()) else 1
+
+
 def freeze_parameters(model: nn.Module, prefixes: list[str]) -> int:
     names = [n for n, _ in model.named_parameters()]
     modules = {n for n, _ in model.named_modules()}

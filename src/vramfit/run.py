@@ -15,6 +15,14 @@ from .runfolder import RunPaths
 
 
 def train(cfg: Config) -> dict:
+    """Train `cfg` to its last epoch (or resume it); exits 128 + the signal when one stopped it."""
+    signum, result = _train(cfg)
+    if signum:
+        raise SystemExit(128 + int(signum))
+    return result
+
+
+def _train(cfg: Config) -> tuple[int, dict]:
     from .loop import Trainer
     from .signals import SignalFlag
     from .tracking import RunLog, tracker_names
@@ -23,34 +31,34 @@ def train(cfg: Config) -> dict:
     paths = RunPaths.of(cfg, precision.here(cfg).name)
     L = launch.start(cfg, paths.dir)
 
-    # ---------------------------------------------------------------- resume decision
-    # The settings are checked against the checkpoint before anything else, even for a run that
-    # finished: a changed command never silently does nothing.
-    start = setup.find_start(cfg, L, paths)
-    done = setup.finished_summary(cfg, L, start, paths)
-    if done is not None:
-        return done
+    with setup.claimed(cfg, L, paths):  # --output writable, the run folder locked for this run
+        # ---------------------------------------------------------------- resume decision
+        # The settings are checked against the checkpoint before anything else, even for a run that
+        # finished: a changed command never silently does nothing.
+        start = setup.find_start(cfg, L, paths)
+        done = setup.finished_summary(cfg, L, start, paths)
+        if done is not None:
+            return 0, done
 
-    # ---------------------------------------------------------------- data, model, optimizer, step
-    run = setup.build(cfg, L, paths, start)
-    setup.write_run_folder(run)
-    runlog = RunLog(L.acc, paths.dir, use_trackers=bool(tracker_names(cfg.tracking.tracker)))
-    summary.say_start(run)
+        # ---------------------------------------------------------------- data, model, optimizer, step
+        run = setup.build(cfg, L, paths, start)
+        setup.write_run_folder(run)
+        runlog = RunLog(L.acc, paths.dir, use_trackers=bool(tracker_names(cfg.tracking.tracker)),
+                        resumed_step=start.point.state.global_step if start.point else None)
+        summary.say_start(run)
 
-    # ---------------------------------------------------------------- loop
-    flag = SignalFlag().install()
-    trainer = Trainer(run, runlog, flag)
-    try:
-        signum = trainer.fit()
-    finally:
-        flag.restore()
+        # ---------------------------------------------------------------- loop
+        flag = SignalFlag().install()
+        trainer = Trainer(run, runlog, flag)
+        try:
+            signum = trainer.fit()
+        finally:
+            flag.restore()
 
-    # ---------------------------------------------------------------- finish
-    result = summary.build(run, trainer.clock)
-    summary.finish(result, run, signum)
-    runlog.summary(result)
-    if runlog.use_trackers:
-        L.acc.end_training()
-    if signum:
-        raise SystemExit(128 + int(signum))
-    return result
+        # ---------------------------------------------------------------- finish
+        result = summary.build(run, trainer.clock)
+        summary.finish(result, run, signum)
+        runlog.summary(result)
+        if runlog.use_trackers:
+            L.acc.end_training()
+    return signum, result

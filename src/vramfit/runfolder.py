@@ -4,8 +4,14 @@ contract). The one place these paths are worked out; the trainer writes them, an
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .errors import VramfitError
 
 
 def default_run_name(cfg, precision_name: str) -> str:
@@ -66,3 +72,36 @@ class RunPaths:
     @property
     def memory_summary(self) -> Path:
         return self.dir / "memory_summary.txt"
+
+    @property
+    def lock(self) -> Path:
+        return self.dir / ".vramfit.lock"
+
+
+@contextlib.contextmanager
+def locked(paths: RunPaths):
+    """Hold the run folder for one run: an advisory lock (flock) on its lock file, which the OS
+    releases when the process ends however it ends, so a SIGKILL never leaves a stale lock. A
+    second run into the same folder stops at once, naming the run that holds it."""
+    import fcntl
+
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    f = open(paths.lock, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise VramfitError(f"Run folder {paths.dir} is in use by another run ({holder}).",
+                           hint="wait for that run to end (or stop it: it resumes later), or give this one "
+                                "another --run-name or --output") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()

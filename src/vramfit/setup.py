@@ -150,6 +150,7 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
     """The model, optimizer, schedule, EMA, micro-batch plan, state and step, without any data (the
     benches feed it synthetic batches)."""
     from .engine import TrainStep, step_maths
+    from .models import min_micro_batch
 
     start = start or Start()
     model, data_cfg = build_model(cfg, L, len(class_names))
@@ -160,16 +161,30 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
     state = restore_state(cfg, L, start, plan.micro, class_names, model, scheduler, ema)
     step = TrainStep(L.acc, model, optimizer, plan.micro.size, maths=step_maths(cfg.train),
                      check_grad_norm=not L.precision.scales_loss, oom_retries=state.oom_retries,
-                     recomputes=cfg.model.grad_checkpointing)
+                     recomputes=cfg.model.grad_checkpointing,
+                     min_micro_batch=min_micro_batch(L.acc.unwrap_model(model)))
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
                     state, step, seconds)
+
+
+@contextlib.contextmanager
+def claimed(cfg: Config, L: Launch, paths: RunPaths):
+    """Before anything else: --output is writable, and the run folder is this run's (locked by the
+    main process until the block ends: runfolder.locked)."""
+    from .runfolder import locked
+
+    with contextlib.ExitStack() as stack:
+        with agreed("claiming the run folder", L.acc.device):
+            if L.main:
+                check_writable(Path(cfg.output))
+                stack.enter_context(locked(paths))
+        yield
 
 
 def find_start(cfg: Config, L: Launch, paths: RunPaths) -> Start:
     """The checkpoint to continue from, the notes to say about it, and this launch's fingerprint."""
     with agreed("looking for checkpoints", L.acc.device):
         if L.main:
-            check_writable(Path(cfg.output))
             if cfg.resume == "auto":
                 checkpoint.latest(paths.checkpoints, cleanup=True)
     with agreed("reading the checkpoint", L.acc.device):
@@ -278,13 +293,15 @@ def choose_micro_batch(cfg: Config, L: Launch, num_classes: int, model, point) -
     (planner, then a probe on the device: memory.auto_pick), or where an interrupted run had come
     down to. Returns it in the plan (plan.json) with the lines to say at start about it."""
     from .memory import auto_pick
+    from .models import min_micro_batch
 
     per_proc = batching.per_process_batch(cfg.train.global_batch, L.world)
     probe: dict = {}  # what the probe found, for plan.json
     auto_here = cfg.train.micro_batch == "auto" and L.device_type == "cuda"
     pick = auto_pick(cfg, num_classes, L.acc.unwrap_model(model), L.acc.device, probe) if auto_here else None
     resumed = resume.resumed_micro_batch(point, L.world, cfg.allow_resume_change)
-    mb = batching.resolve_micro_batch(cfg.train.micro_batch, per_proc, pick=pick, resumed=resumed)
+    mb = batching.resolve_micro_batch(cfg.train.micro_batch, per_proc, pick=pick, resumed=resumed,
+                                      min_size=min_micro_batch(L.acc.unwrap_model(model)))
     plan = Plan(mb, cfg.train.micro_batch, L.world, L.precision.accelerate,
                 probe={k: v for k, v in probe.items() if k != "micro_batch"}, **_predict(cfg, num_classes, mb, L))
     plan.notes = fit_notes(cfg, L, num_classes, mb, plan.predicted_peak_bytes)

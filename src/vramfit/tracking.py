@@ -92,10 +92,14 @@ def scrub(obj):
 class RunLog:
     """metrics.jsonl on the main process, mirrored to the configured Accelerate trackers."""
 
-    def __init__(self, accelerator, run_dir: Path, use_trackers: bool):
+    def __init__(self, accelerator, run_dir: Path, use_trackers: bool, resumed_step: int | None = None):
+        """`resumed_step`: the checkpoint's global step the run continues from (None: a fresh
+        start). The record is made to match the checkpoint first (see `continue_record`)."""
         from .runfolder import RunPaths
 
         self.acc, self.path, self.use_trackers = accelerator, RunPaths.at(run_dir).metrics, use_trackers
+        if accelerator.is_main_process:
+            continue_record(self.path, resumed_step)
         # A resumed run appends to the same file: its clock continues where the file ends, so `time`
         # is the wall time the whole run has cost (what `compare` plots accuracy against).
         self.t0 = time.time() - _last_time(self.path)
@@ -122,6 +126,29 @@ class RunLog:
                 for k, v in figures.items():
                     tracker.tracker.add_scalar(f"summary/{k}", v, summary.get("global_step"))
                 tracker.tracker.flush()
+
+
+def continue_record(metrics_file: Path, resumed_step: int | None) -> None:
+    """metrics.jsonl as an uninterrupted run would have it at the resume point: lines logged after
+    the checkpoint's step (by a run that crashed or was killed before its next save) are dropped,
+    since the resumed run logs those steps again. A fresh start into a folder that holds a record
+    (every checkpoint was damaged) keeps the old record aside as metrics.jsonl.before-<time>."""
+    if not metrics_file.is_file():
+        return
+    if resumed_step is None:
+        os.replace(metrics_file, metrics_file.with_name(f"{metrics_file.name}.before-{int(time.time())}"))
+        return
+    kept = []
+    for line in metrics_file.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a line cut short by a crash
+        if isinstance(step, int) and step <= resumed_step:
+            kept.append(line + "\n")
+    tmp = metrics_file.with_name(metrics_file.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, metrics_file)
 
 
 def _last_time(metrics_file: Path) -> float:
