@@ -57,3 +57,24 @@ def test_short_labels_and_a_bad_sort_key(tmp_path):
     (run / "summary.json").write_text(json.dumps({"best_accuracy": 0.5}))
     with pytest.raises(VramfitError, match="--sort best_acc"):
         compare([str(run)], sort="best_acc")
+
+
+def test_a_damaged_run_among_several_is_named_and_the_rest_compared(tmp_path, capsys):
+    """An output folder where one run's summary.json was cut short: that run is named and left
+    out, the others are compared; named alone, it is an error with a hint (exit 2)."""
+    import shutil
+
+    from vramfit.cli import main, run as cli
+
+    out = tmp_path / "runs"
+    shutil.copytree(trained_run("a").path, out / "a", ignore=shutil.ignore_patterns("checkpoints", "model"))
+    shutil.copytree(out / "a", out / "cut")
+    (out / "cut" / "summary.json").write_text('{"best_accuracy": 0.9, "epo')
+    assert cli(["compare", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "skipping" in captured.err and "cut" in captured.err and "is damaged" in captured.err
+    assert [line.split()[0] for line in captured.out.splitlines()[2:]] == ["a"]
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(out / "cut")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is damaged" in err and "HINT:" in err and "Traceback" not in err

@@ -121,6 +121,22 @@ def test_run_folder_without_a_model(run, tmp_path, capsys):
         assert code == 2 and "has no trained model" in err and "HINT:" in err
 
 
+@pytest.mark.parametrize("damage", ["model/config.json", "model/model.safetensors", "summary.json"])
+def test_a_damaged_file_in_a_finished_run_is_named(run, tmp_path, capsys, damage):
+    """A truncated file (a disk that filled, a copy cut short): eval, predict and export exit 2
+    naming it, never a JSONDecodeError or SafetensorError traceback."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run.path, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    f = copy / damage
+    f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+    commands = [["eval", "--run", str(copy)], ["predict", "--run", str(copy), str(copy / "config.yaml")],
+                ["export", "--run", str(copy), "--format", "torchscript", "--output", str(tmp_path / "ts")]]
+    for argv in commands if damage.startswith("model/") else commands[2:]:  # summary.json: the model card
+        code, _, err = _main(argv, capsys)
+        said = " ".join(err.split())
+        assert code == 2 and f"{f} is damaged and cannot be read" in said and "HINT:" in said, (argv, err)
+
+
 def test_loader_workers_give_the_same_scores(run):
     """Workers decode on a GPU machine: the same logits, in input order, unreadable ones listed."""
     import torch

@@ -237,8 +237,10 @@ def test_checkpoints_load_with_weights_only(train_cli, tmp_path):
 
     with pytest.raises(VramfitError, match="Could not load checkpoint") as e:
         train_cli(*tiny_args(), run_name="w")
-    assert "--resume never" in e.value.hint and "Unpickl" in e.value.message  # refused, not executed
-    assert not target.exists()
+    assert "Unpickl" in e.value.message and not target.exists()  # refused, not executed
+    assert "--resume never" not in e.value.hint and "--run-name NEW" in e.value.hint  # (never would refuse)
+    run_dir, code = train_cli(*tiny_args(), run_name="w-new")  # the hint, followed
+    assert code == 0
 
 
 def _fake_scaler_skips(monkeypatch, pattern):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import VramfitError
+from .errors import VramfitError, damaged_file
 from .runfolder import RunPaths
 
 # (header, summary.json key or a derived field); derived fields are filled in by `load_run`.
@@ -32,8 +32,13 @@ def load_run(path: Path) -> dict:
     if not summary_file.is_file():
         raise VramfitError(f"{path} has no summary.json: it is not a run folder, or the run has not "
                            "ended yet.", hint="pass folders such as runs/<run_name>")
-    s = json.loads(summary_file.read_text())
-    cfg = yaml.safe_load(files.config.read_text()) if files.config.is_file() else {}
+    try:
+        s = json.loads(summary_file.read_text())
+        cfg = yaml.safe_load(files.config.read_text()) if files.config.is_file() else {}
+        if not isinstance(s, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise damaged_file(path, e) from None
     evals = eval_history(files.metrics)
     best = max(evals, key=lambda e: e["val_accuracy"], default=None)  # max keeps the first of equals
     s = {**s, "seconds_to_best": best["time"] if best else None}
@@ -139,8 +144,13 @@ def find_runs(paths: list[str]) -> list[dict]:
     for p in paths:
         path = Path(p)
         if path.is_dir() and not RunPaths.at(path).summary.exists():
-            # An output folder holding several runs.
-            runs += [load_run(q) for q in sorted(path.iterdir()) if RunPaths.at(q).summary.is_file()]
+            # An output folder holding several runs: a damaged one is named and left out.
+            for q in sorted(path.iterdir()):
+                if RunPaths.at(q).summary.is_file():
+                    try:
+                        runs.append(load_run(q))
+                    except VramfitError as e:
+                        print(f"vramfit: skipping {q}: {e.message}", file=sys.stderr)
         else:
             runs.append(load_run(path))
     if not runs:

@@ -16,3 +16,11 @@ class VramfitError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message}\nHINT: {self.hint}"
+
+
+def damaged_file(path, error: BaseException) -> VramfitError:
+    """A file or folder of a finished run that cannot be read (truncated, edited, half-copied)."""
+    first = (str(error).splitlines() or [""])[0][:200]
+    return VramfitError(f"{path} is damaged and cannot be read ({type(error).__name__}: {first}).",
+                        hint="restore the run folder from a copy, or train again under another --run-name "
+                             "(its checkpoints/ may still hold the weights)")

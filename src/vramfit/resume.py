@@ -121,10 +121,9 @@ def load(accelerator, point: ResumePoint, world: int, seed: int, model, ema=None
         accelerator.load_state(str(point.path))
     except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be loaded safely is reported, not run
         raise VramfitError(
-            f"Could not load checkpoint {point.path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-            hint="resume from an older checkpoint (--resume PATH), or start over with --resume never "
-                 "(files there may have been written by another program: nothing in them was executed)"
-        ) from None
+            f"Could not load checkpoint {point.path}: {type(e).__name__}: {str(e).splitlines()[0][:300]} "
+            "(files there may have been written by another program: nothing in them was executed).",
+            hint=unloadable_hint(point.path)) from None
     rank = accelerator.process_index
     same_shape = point.state.world_size in (None, world)
     if same_shape:
@@ -140,6 +139,16 @@ def load(accelerator, point: ResumePoint, world: int, seed: int, model, ema=None
         _restore_buffers(accelerator.unwrap_model(model), own, "model.")
         if ema is not None:
             _restore_buffers(ema.module, own, "ema.")
+
+
+def unloadable_hint(path: Path) -> str:
+    """What to run when checkpoint `path` cannot be loaded: an older complete one of the same run if
+    there is one, else a fresh run in a new folder (`--resume never` refuses a folder that holds
+    checkpoints, so it is never the way out)."""
+    older = [p for s, p in checkpoint.list_steps(path.parent) if p != path and checkpoint.is_complete(p)]
+    fresh = "start over in a new folder with --run-name NEW (this folder is left as it is)"
+    return (f"resume from the checkpoint before it with --resume {older[-1]}, or {fresh}" if older
+            else fresh[0].upper() + fresh[1:])
 
 
 def _restore_buffers(module, saved: dict, prefix: str) -> None:

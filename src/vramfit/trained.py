@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from .decode import BadImage, decode_image, describe
-from .errors import VramfitError
+from .errors import VramfitError, damaged_file
 
 
 @dataclass
@@ -34,9 +34,12 @@ class TrainedModel:
 
         self.run_dir = Path(run_dir)
         self.model_dir = model_dir(self.run_dir)
-        self.model = timm.create_model(f"local-dir:{self.model_dir.resolve()}", pretrained=True)
+        try:
+            self.model = timm.create_model(f"local-dir:{self.model_dir.resolve()}", pretrained=True)
+            self.class_names = _class_names(self.model_dir, self.model)
+        except Exception as e:  # noqa: BLE001 - any unreadable file of model/ is a damaged folder, said as such
+            raise damaged_file(_unreadable_file(self.model_dir), e) from None
         self.model.eval()
-        self.class_names = _class_names(self.model_dir, self.model)
         # The eval preprocessing saved next to the weights (size, crop, interpolation, mean/std):
         # the same one timm users get from the folder.
         self.data_config = timm.data.resolve_model_data_config(self.model)
@@ -56,8 +59,11 @@ class TrainedModel:
         path = getattr(RunPaths.at(self.run_dir), name)
         if not path.is_file():
             return None
-        text = path.read_text()
-        return yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        try:
+            text = path.read_text()
+            return yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise damaged_file(path, e) from None
 
     @torch.inference_mode()
     def scores(self, items: Sequence, batch_size: int = 64, workers: int | None = None) -> Scores:
@@ -94,6 +100,25 @@ def model_dir(run_dir: Path) -> Path:
             f"{run_dir} has no trained model ({folder} lacks {', '.join(missing)}).",
             hint="pass a run folder whose training finished at least one evaluation (it writes the best "
                  "weights to model/), e.g. runs/<run_name>")
+    return folder
+
+
+def _unreadable_file(folder: Path) -> Path:
+    """The file of a model folder that does not parse (the folder itself when each one does)."""
+    from safetensors import safe_open
+
+    for f in sorted(folder.glob("*.json")):
+        try:
+            json.loads(f.read_text())
+        except (OSError, ValueError):
+            return f
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                for key in st.keys():
+                    st.get_slice(key)
+        except Exception:  # noqa: BLE001 - safetensors raises its own error type for a cut file
+            return f
     return folder
 
 
