@@ -164,3 +164,58 @@ def test_fp32_is_one_precision_by_any_name(given):
         assert build_config(None, flags={"train.precision": vars(ns)["train.precision"]}).train.precision == "fp32"
     with pytest.raises(VramfitError, match="train.precision"):
         build_config(None, sets=["train.precision=fp64"])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["train", "--set", "data.num_workers=-1"], "data.num_workers takes `auto` or a whole number from 0 to 64"),
+    (["train", "--set", "data.image_size=100000"], "less than or equal to 2048"),
+    (["train", "--run-name", "../../x"], "must be one folder name"),
+    (["train", "--micro-batch", "0"], "--micro-batch 0: it takes a whole number >= 1"),
+    (["train", "--epochs", "0"], "--epochs: 0 is out of range"),
+    (["predict", "--run", "r", "--batch-size", "0", "a.png"], "--batch-size: 0 is out of range"),
+    (["predict", "--run", "r", "--top-k", "0", "a.png"], "--top-k: 0 is out of range"),
+    (["eval", "--run", "r", "--batch-size", "-3"], "--batch-size: -3 is out of range"),
+    (["plan", "--recipe", "quickstart", "--memory-gib", "0"], "--memory-gib: 0 is out of range: it takes a number > 0"),
+    (["plan", "--recipe", "quickstart", "--num-processes", "0"], "--num-processes: 0 is out of range"),
+    (["plan", "--recipe", "quickstart", "--num-classes", "0"], "--num-classes: 0 is out of range"),
+    (["lr-find", "--recipe", "quickstart", "--steps", "0"], "--steps: 0 is out of range: it takes a whole number >= 10"),
+    (["lr-find", "--recipe", "quickstart", "--start-lr", "1", "--end-lr", "0.1"], "is not above --start-lr"),
+    (["prepare", "--data", "d", "--output", "o", "--quality", "101"], "--quality: 101 is out of range"),
+])
+def test_every_number_is_checked_with_its_range_before_use(argv, said, capsys, tmp_path, monkeypatch):
+    """Bad numbers are a usage error naming the range (exit 2), before any data, model or tensor."""
+    from vramfit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and said in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+
+
+def test_a_run_name_is_one_folder_name():
+    from vramfit.config import build_config
+
+    for bad in ("..", ".", "a/b", " "):
+        with pytest.raises(VramfitError, match="must be one folder name"):
+            build_config(None, [], {"run_name": bad})
+    assert build_config(None, [], {"run_name": "résumé-2"}).run_name == "résumé-2"
+
+
+def test_non_ascii_names_print_on_an_ascii_terminal(monkeypatch, tmp_path):
+    """LC_ALL=C: stderr is ASCII. A class, path or message with `é` prints escaped, never a
+    UnicodeEncodeError traceback in place of the message."""
+    import io
+    import sys
+
+    from vramfit.cli import main
+
+    raw = io.BytesIO()
+    ascii_err = io.TextIOWrapper(raw, encoding="ascii")
+    monkeypatch.setattr(sys, "stderr", ascii_err)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", str(tmp_path / "café"), "--output", str(tmp_path / "runs")])
+    ascii_err.flush()
+    text = raw.getvalue().decode("ascii")
+    assert e.value.code == 2 and "caf\\xe9" in text and "HINT:" in text

@@ -15,8 +15,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", dest="model.name", help="any timm model name, e.g. efficientnet_b0")
     p.add_argument("--data", dest="data.source",
                    help="`digits` (built in), an image folder, a saved dataset, parquet, or a Hub id")
-    p.add_argument("--image-size", dest="data.image_size", type=int)
-    p.add_argument("--global-batch", dest="train.global_batch", type=int,
+    p.add_argument("--image-size", dest="data.image_size", type=bounded(int, 8, 2048))
+    p.add_argument("--global-batch", dest="train.global_batch", type=COUNT,
                    help="samples per optimizer step across all processes")
     p.add_argument("--micro-batch", dest="train.micro_batch", type=_micro,
                    help="samples per forward/backward on one process, or `auto`")
@@ -28,13 +28,40 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
 
 
+def bounded(cast, low=None, high=None, *, above: bool = False):
+    """An argparse type: `cast` of the text, in [low, high] (or (low, high] with `above`); out of
+    range it is a usage error that says the range (exit 2), never a value torch meets later."""
+    kind = "a whole number" if cast is int else "a number"
+    where = " and ".join(([f"> {low}" if above else f">= {low}"] if low is not None else [])
+                         + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes {kind}, not {text!r}") from None
+        if low is not None and (value <= low if above else value < low) or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it takes {kind} {where}")
+        return value
+
+    parse.__name__ = cast.__name__
+    return parse
+
+
+COUNT = bounded(int, 1)  # a number of things: at least one
+POSITIVE = bounded(float, 0.0, above=True)
+
+
 def _micro(v: str):
     if v == "auto":
         return v
     try:
-        return int(v)
+        value = int(v)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--micro-batch takes a whole number or `auto`, not {v!r}")
+        raise argparse.ArgumentTypeError(f"--micro-batch takes a whole number or `auto`, not {v!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--micro-batch {v}: it takes a whole number >= 1, or `auto`")
+    return value
 
 
 def _add_model_commands(sub) -> None:
@@ -43,13 +70,13 @@ def _add_model_commands(sub) -> None:
     ev.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
     ev.add_argument("--data", help="another labelled source with the same classes (default: the run's)")
     ev.add_argument("--split", help="a named split of the source, e.g. test (default: the run's validation split)")
-    ev.add_argument("--batch-size", type=int, default=64)
+    ev.add_argument("--batch-size", type=COUNT, default=64)
 
     pd = sub.add_parser("predict", help="top-k labels of images with a run's model")
     pd.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
     pd.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER")
-    pd.add_argument("--top-k", type=int, default=5)
-    pd.add_argument("--batch-size", type=int, default=64)
+    pd.add_argument("--top-k", type=COUNT, default=5)
+    pd.add_argument("--batch-size", type=COUNT, default=64)
     fmt = pd.add_mutually_exclusive_group()
     fmt.add_argument("--json", dest="fmt", action="store_const", const="json")
     fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv")
@@ -71,9 +98,9 @@ def parser() -> argparse.ArgumentParser:
     _common(t)
     t.add_argument("--output", help="folder that holds run folders (default runs/)")
     t.add_argument("--run-name", dest="run_name")
-    t.add_argument("--epochs", dest="train.epochs", type=int)
-    t.add_argument("--lr", dest="optim.lr", type=float)
-    t.add_argument("--seed", dest="train.seed", type=int)
+    t.add_argument("--epochs", dest="train.epochs", type=COUNT)
+    t.add_argument("--lr", dest="optim.lr", type=POSITIVE)
+    t.add_argument("--seed", dest="train.seed", type=bounded(int, 0))
     t.add_argument("--tracker", dest="tracking.tracker",
                    choices=["none", "wandb", "tensorboard", "wandb,tensorboard", "tensorboard,wandb"])
     t.add_argument("--resume", help="`auto` (default: continue this run if it has a checkpoint), "
@@ -81,10 +108,10 @@ def parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="predict device memory for a recipe, without a GPU")
     _common(pl)
-    pl.add_argument("--memory-gib", type=float, help="device memory to fit into (default: the recipe's card)")
-    pl.add_argument("--num-processes", type=int, default=None,
+    pl.add_argument("--memory-gib", type=POSITIVE, help="device memory to fit into (default: the recipe's card)")
+    pl.add_argument("--num-processes", type=COUNT, default=None,
                     help="processes (GPUs) sharing the global batch (default: the recipe's hardware.gpus)")
-    pl.add_argument("--num-classes", type=int, default=None,
+    pl.add_argument("--num-classes", type=bounded(int, 2), default=None,
                     help="classes of the head (default: 1000; the built-in digits: 10)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -104,9 +131,9 @@ def parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="pre-resize a dataset once into a compact Arrow dataset")
     pr.add_argument("--data", required=True)
     pr.add_argument("--output", required=True)
-    pr.add_argument("--max-side", type=int, default=320)
-    pr.add_argument("--quality", type=int, default=90)
-    pr.add_argument("--workers", type=int, default=None)
+    pr.add_argument("--max-side", type=bounded(int, 16), default=320)
+    pr.add_argument("--quality", type=bounded(int, 1, 100), default=90)
+    pr.add_argument("--workers", type=bounded(int, 0), default=None)
     pr.add_argument("--set", dest="sets", action="append", default=[])
 
     dr = sub.add_parser("doctor", help="this machine: versions, GPUs, the recipe that fits; checks a recipe and data")
@@ -118,9 +145,10 @@ def parser() -> argparse.ArgumentParser:
 
     lf = sub.add_parser("lr-find", help="LR range test on the recipe's model and data: suggests an LR, plots it")
     _common(lf)
-    lf.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep at most (default 100)")
-    lf.add_argument("--start-lr", type=float, default=1e-7)
-    lf.add_argument("--end-lr", type=float, default=10.0)
+    lf.add_argument("--steps", type=bounded(int, 10), default=100,
+                    help="optimizer steps of the sweep at most (default 100, at least 10)")
+    lf.add_argument("--start-lr", type=POSITIVE, default=1e-7)
+    lf.add_argument("--end-lr", type=POSITIVE, default=10.0)
     lf.add_argument("--plot", default="lr_find.png", help="where the plot goes (PNG, default ./lr_find.png)")
     return ap
 
@@ -205,6 +233,9 @@ def run(argv: list[str]) -> int:
     if ns.command == "lr-find":
         from .lrfind import lr_find
 
+        if ns.end_lr <= ns.start_lr:
+            raise VramfitError(f"--end-lr {ns.end_lr:g} is not above --start-lr {ns.start_lr:g}: the sweep "
+                               "raises the LR from the start to the end.", hint="e.g. --start-lr 1e-7 --end-lr 10")
         lr_find(_config(ns), ns.steps, ns.start_lr, ns.end_lr, ns.plot)
         return 0
     return 2
@@ -218,6 +249,9 @@ def _data_config(ns):
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    for stream in (sys.stdout, sys.stderr):  # a class named in any script prints under LC_ALL=C too
+        if hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         code = run(argv)
     except VramfitError as e:

@@ -38,8 +38,8 @@ class ModelConfig(Section):
     pretrained_path: str | None = None
     grad_checkpointing: bool = False
     channels_last: bool = False
-    drop_rate: float = 0.0
-    drop_path_rate: float = 0.0
+    drop_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
     # BatchNorm policy: `train` updates running stats; `freeze` keeps them fixed (eval-mode BN), which
     # also makes every batch split give the same maths.
     bn: Literal["train", "freeze"] = "train"
@@ -59,11 +59,11 @@ class DataConfig(Section):
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     # Seeds the validation hold-out and the limit_* subsets; never the run seed, so every run of a
     # seed sweep is validated on the same images.
-    split_seed: int = 0
+    split_seed: int = Field(0, ge=0)
     image_column: str | None = None
     label_column: str | None = None
     trust_remote_code: bool = False
-    image_size: int = Field(224, ge=8)
+    image_size: int = Field(224, ge=8, le=2048)
     # Train augmentation (timm create_transform arguments).
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
@@ -81,7 +81,7 @@ class DataConfig(Section):
     cutmix: float = Field(0.0, ge=0.0)
     mixup_prob: float = Field(1.0, ge=0.0, le=1.0)
     mixup_switch_prob: float = Field(0.5, ge=0.0, le=1.0)
-    crop_pct: float | None = None
+    crop_pct: float | None = Field(None, gt=0.0, le=1.0)
     num_workers: int | Literal["auto"] = "auto"
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
     cache_dir: str | None = None
@@ -89,19 +89,26 @@ class DataConfig(Section):
     limit_train_samples: int | None = Field(None, ge=1)
     limit_val_samples: int | None = Field(None, ge=1)
 
+    @field_validator("num_workers")
+    @classmethod
+    def _workers(cls, v):
+        if isinstance(v, int) and not 0 <= v <= 64:
+            raise ValueError(f"data.num_workers takes `auto` or a whole number from 0 to 64, not {v}")
+        return v
+
 
 class TrainConfig(Section):
     epochs: int = Field(10, ge=1)
     # Samples per optimizer step across all processes. Fixed by the recipe; everything else derives.
     global_batch: int = Field(64, ge=1)
     micro_batch: int | Literal["auto"] | None = None
-    eval_batch: int | None = None
+    eval_batch: int | None = Field(None, ge=1)
     # fp32 (`no`, Accelerate's name, is accepted too), bf16 or fp16 autocast; `auto`: bf16 where the
     # GPU has it, else fp16; fp32 on a CPU.
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
-    clip_grad_norm: float | None = 1.0
-    seed: int = 0
+    clip_grad_norm: float | None = Field(1.0, gt=0.0)
+    seed: int = Field(0, ge=0)
     log_every_steps: int = Field(10, ge=1)
     # CUDA: let cuDNN time its convolution algorithms for each input shape and keep the fastest
     # (input shapes are fixed here, so it pays off after the first step; as timm's train.py does).
@@ -132,7 +139,7 @@ class OptimConfig(Section):
     # sqrt for AdamW, linear for SGD); None: `lr` as given at any batch.
     lr_base_batch: int | None = Field(None, ge=1)
     weight_decay: float = Field(0.05, ge=0.0)
-    momentum: float = 0.9
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
     betas: tuple[float, float] = (0.9, 0.999)
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_epochs: float = Field(1.0, ge=0.0)
@@ -198,6 +205,15 @@ class Config(Section):
     resume: str = "auto"
     # Allow resuming with another process count or a changed model/data/batch/optimizer/seed.
     allow_resume_change: bool = False
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_folder_name(cls, v):
+        # The run folder is --output/run_name: a name with a path in it would write elsewhere.
+        if v is not None and (not v.strip() or v in (".", "..") or "/" in v or "\\" in v or "\0" in v):
+            raise ValueError(f"run_name {v!r} must be one folder name (no `/`, not `.` or `..`): "
+                             "the run folder is --output/<run_name>; put the path in --output")
+        return v
 
     @model_validator(mode="after")
     def _check(self):

@@ -68,7 +68,9 @@ def smooth(losses: list[float], weight: float = SMOOTHING) -> np.ndarray:
 
 def suggest(lrs: list[float], losses: list[float]) -> float:
     """A tenth of the LR at the smoothed loss's minimum."""
-    return float(lrs[int(np.argmin(smooth(losses)))]) / 10
+    # Never below where the sweep started: a minimum at its first steps (a sweep too short to see
+    # the loss fall) says nothing about lower LRs.
+    return max(float(lrs[int(np.argmin(smooth(losses)))]) / 10, float(lrs[0]))
 
 
 def build(cfg: Config):

@@ -243,6 +243,11 @@ def load_data(cfg: Config, L: Launch, point: resume.ResumePoint | None) -> tuple
     if point:
         resume.class_names_match(point, splits.class_names)
     steps = batching.steps_per_epoch(len(splits.train), cfg.train.global_batch)
+    if 0 < len(splits.train) < cfg.train.global_batch:
+        splits.notes.append(f"the global batch ({cfg.train.global_batch}) is larger than the training split "
+                            f"({len(splits.train)} images): each epoch is one step of {len(splits.train)}, while "
+                            f"the LR is scaled for {cfg.train.global_batch}; a --global-batch of at most "
+                            f"{len(splits.train)} trains as the recipe means")
     if steps == 0:
         raise VramfitError(f"The training split has {len(splits.train)} images, fewer than one global batch "
                            f"({cfg.train.global_batch}).", hint="lower --global-batch or add data")
