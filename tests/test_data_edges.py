@@ -159,3 +159,33 @@ def test_prepare_keeps_a_test_split_as_test_not_as_validation(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def transforms():
     return transforms_32()
+
+
+def test_caches_that_cannot_be_written_move_to_the_output_folder(tmp_path, monkeypatch, capsys):
+    """A read-only or broken HOME: the datasets, evaluate and vramfit caches cannot be written
+    (here: their paths run through a file, which stops root too). The run moves them under
+    --output/.cache, says so with the setting to use, and trains a parquet source to the end."""
+    import datasets
+    import evaluate
+
+    from helpers import encode, picture
+    from vramfit.cli import main
+
+    blocked = tmp_path / "home-is-a-file"
+    blocked.write_text("")
+    for env in ("VRAMFIT_CACHE", "HF_DATASETS_CACHE", "HF_METRICS_CACHE"):
+        monkeypatch.setenv(env, str(blocked / env.lower()))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", blocked / "datasets")
+    monkeypatch.setattr(evaluate.config, "HF_METRICS_CACHE", str(blocked / "metrics"))
+    rows = [{"image": {"bytes": encode(picture(24, 24, i), "PNG"), "path": None}, "label": i % 2} for i in range(24)]
+    src = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(rows).cast_column("image", datasets.Image()).to_parquet(str(src))
+    out = tmp_path / "runs"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *train_args(src, out), "--output", str(out), "--run-name", "ro"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 0, err
+    for name, env in (("datasets", "HF_DATASETS_CACHE"), ("evaluate", "HF_METRICS_CACHE")):
+        assert f"the {name} cache {blocked}" in err and f"using {out / '.cache' / name}" in err and f"set {env}" in err
+    assert (out / "ro" / "summary.json").is_file() and "Traceback" not in err
+

@@ -34,11 +34,13 @@ def test_simulated_oom_recovers_to_micro_8_with_same_weights(train_cli):
     assert [r["val_samples"] for r in rows if r["kind"] == "eval"] == [120]
 
 
-def test_oom_at_micro_batch_one_stops_with_the_plan(train_cli):
+@pytest.mark.parametrize("bn, smallest", [("train", 2), ("freeze", 1)])
+def test_oom_at_the_smallest_micro_batch_stops_with_the_plan(train_cli, bn, smallest):
+    """The smallest micro-batch is the model's: 2 with train-mode BatchNorm, 1 with it frozen."""
     with pytest.raises(VramfitError) as e:
-        train_cli(*tiny_args("--set", "debug.simulate_oom_above=0"), run_name="never")
+        train_cli(*tiny_args("--set", "debug.simulate_oom_above=0", "--set", f"model.bn={bn}"), run_name="never")
     msg = str(e.value)
-    assert e.value.exit_code == 3 and "even at micro-batch 1" in msg
+    assert e.value.exit_code == 3 and f"even at micro-batch {smallest}" in msg
     assert "parameters" in msg and "activations" in msg  # the plan's breakdown
     assert "HINT" in msg and "vramfit plan" in msg
 

@@ -180,6 +180,8 @@ def resolve_config(recipe: str | None = None, sets: list[str] | None = None, fla
 
 def run(argv: list[str]) -> int:
     ns = parser().parse_args(argv)
+    if ns.command in ("train", "eval", "predict", "scan-data", "prepare", "lr-find", "doctor"):
+        _writable_caches(ns)
     if ns.command == "train":
         from .run import train
 
@@ -239,6 +241,19 @@ def run(argv: list[str]) -> int:
         lr_find(_config(ns), ns.steps, ns.start_lr, ns.end_lr, ns.plot)
         return 0
     return 2
+
+
+def _writable_caches(ns) -> None:
+    """Caches under a read-only or full HOME move to a writable folder (caches.redirect_unwritable):
+    under the training output for `train`, a per-user temporary folder otherwise."""
+    from pathlib import Path
+
+    from .caches import redirect_unwritable
+
+    base = Path(getattr(ns, "output", None) or "runs") if ns.command == "train" else None
+    for note in redirect_unwritable(base):
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"vramfit: note: {note}", file=sys.stderr)
 
 
 def _data_config(ns):
