@@ -200,11 +200,18 @@ def test_column_overrides(tmp_path):
 @pytest.mark.parametrize("case,needle", [
     ("missing", "no such file or folder"), ("empty", "empty folder"), ("one", "only one class"),
     ("no-images", "no images in class folders"), ("remote-code", "trust_remote_code"),
-    ("flat", "no images in class folders"),
+    ("flat", "no images in class folders"), ("empty-parquet", "empty-00000.parquet (an empty file)"),
+    ("cut-parquet", "cut-00000.parquet (ArrowInvalid"),
 ])
 def test_bad_input_raises_with_a_hint(tmp_path, case, needle):
     kw = {}
-    if case == "missing":
+    if case.endswith("parquet"):  # one good file, one bad: the bad one is named, not the folder
+        src = tmp_path / "pq"
+        src.mkdir()
+        hub_style(6).to_parquet(str(src / "train-00000.parquet"))
+        good = (src / "train-00000.parquet").read_bytes()
+        (src / f"{case.split('-')[0]}-00000.parquet").write_bytes(b"" if case == "empty-parquet" else good[:len(good) // 2])
+    elif case == "missing":
         src = tmp_path / "nope"
     elif case == "empty":
         src = tmp_path / "e"

@@ -301,9 +301,38 @@ def _load_files(cfg: DataConfig, kind: str, root: Path, files: list[Path]):
     try:
         return datasets.load_dataset(kind, data_files=by_split, **kwargs)
     except Exception as e:  # noqa: BLE001
-        raise VramfitError(f"Could not read the {kind} files under {root}: {_first_line(e)}",
-                           hint=f"check that the files are valid {kind} (one split per file name, "
-                                f"e.g. train-00000.{kind}, validation-00000.{kind})") from None
+        from ..checkpoint import errno_fault
+
+        if errno_fault(e) is not None:  # the cache the files are converted into, not the files
+            raise
+        bad = _unreadable_table(kind, files)
+        what = f"{bad[0]} {bad[1]}" if bad else f"the {kind} files under {root}: {_first_line(e)}"
+        raise VramfitError(f"Could not read {what}.",
+                           hint=f"remove or replace it; the files must be valid {kind} (one split per file "
+                                f"name, e.g. train-00000.{kind}, validation-00000.{kind})") from None
+
+
+def _unreadable_table(kind: str, files: list[Path]) -> tuple[Path, str] | None:
+    """The first of `files` that is empty or does not open as `kind`, with why."""
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    for f in sorted(files):
+        if f.stat().st_size == 0:
+            return f, "(an empty file)"
+        try:
+            if kind == "parquet":
+                pq.read_metadata(f)
+            else:
+                with open(f, "rb") as stream:
+                    try:
+                        ipc.open_stream(stream).schema
+                    except Exception:  # noqa: BLE001 - the other arrow layout
+                        stream.seek(0)
+                        ipc.open_file(stream).schema
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            return f, f"({type(e).__name__}: {_first_line(e)})"
+    return None
 
 
 def _limit(ds, part: str, limit: int | None, seed: int, notes: list[str]):
