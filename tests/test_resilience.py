@@ -340,3 +340,42 @@ def test_a_second_run_into_a_held_run_folder_stops_naming_the_first(tmp_path, tr
     run_dir, code = train_cli(*tiny_args("--set", "data.limit_train_samples=32", "--set", "data.limit_val_samples=16"),
                               run_name="twice")
     assert code == 0 and "pid " in lock.read_text()
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_of_twenty_saves_never_loses_the_run(tmp_path, train_cli):
+    """A save every step and a SIGKILL at a random moment of one, twenty times over: every restart
+    with `--resume auto` continues, and the run ends with the weights and the metrics record of a
+    run that was never killed."""
+    import random
+
+    args = tiny_args("--set", "checkpoint.every_steps=1", "--set", "train.log_every_steps=1",
+                     "--set", "data.limit_train_samples=480")
+    ref, code = train_cli(*args, run_name="ref", output=tmp_path)
+    assert code == 0
+    rng, run_dir = random.Random(0), tmp_path / "killed"
+    cmd = [sys.executable, "-m", "vramfit.cli", "train", *args, "--output", str(tmp_path), "--run-name", "killed"]
+    kills = 0
+    while kills < 20:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ckpts, start = run_dir / "checkpoints", checkpoint.list_steps(run_dir / "checkpoints")
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and checkpoint.list_steps(ckpts) == start:
+            time.sleep(0.01)  # until this launch has trained and saved once
+        if proc.poll() is not None:
+            break  # it finished before it could be killed again
+        time.sleep(rng.uniform(0.0, 0.4))  # somewhere in the next step or its save
+        proc.kill()
+        proc.wait()
+        kills += 1
+        assert checkpoint.latest(ckpts) is not None  # always a complete checkpoint to go on from
+    assert kills >= 10
+    final = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert _same(load_file(ref / "model" / "model.safetensors"), load_file(run_dir / "model" / "model.safetensors"))
+
+    def record(d):
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        return [(r["kind"], r["step"], r.get("loss")) for r in rows]
+
+    assert record(run_dir) == record(ref)
