@@ -11,19 +11,22 @@ from .errors import VramfitError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", help="recipes/NAME.yaml, or a path to a YAML recipe")
-    p.add_argument("--model", dest="model.name", help="any timm model name, e.g. efficientnet_b0")
-    p.add_argument("--data", dest="data.source",
+    p.add_argument("--recipe", metavar="NAME", help="a shipped recipe (see the list below), a path to a YAML "
+                                                    "recipe, or `auto` (the one that fits this GPU)")
+    p.add_argument("--model", dest="model.name", metavar="NAME", help="any timm model name, e.g. efficientnet_b0")
+    p.add_argument("--data", dest="data.source", metavar="SOURCE",
                    help="`digits` (built in), an image folder, a saved dataset, parquet, or a Hub id")
-    p.add_argument("--image-size", dest="data.image_size", type=bounded(int, 8, 2048))
-    p.add_argument("--global-batch", dest="train.global_batch", type=COUNT,
+    p.add_argument("--image-size", dest="data.image_size", type=bounded(int, 8, 2048), metavar="PX",
+                   help="training and evaluation image size in pixels")
+    p.add_argument("--global-batch", dest="train.global_batch", type=COUNT, metavar="N",
                    help="samples per optimizer step across all processes")
-    p.add_argument("--micro-batch", dest="train.micro_batch", type=_micro,
+    p.add_argument("--micro-batch", dest="train.micro_batch", type=_micro, metavar="N|auto",
                    help="samples per forward/backward on one process, or `auto`")
     p.add_argument("--precision", dest="train.precision", choices=["auto", "fp32", "no", "bf16", "fp16"],
                    help="fp32 (`no` is the same), bf16 or fp16 autocast; auto: bf16 where the GPU has it")
     p.add_argument("--grad-checkpointing", dest="model.grad_checkpointing",
-                   action=argparse.BooleanOptionalAction, default=None)
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute activations in backward: less memory, ~20-30%% slower, same maths")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
 
@@ -50,6 +53,22 @@ def bounded(cast, low=None, high=None, *, above: bool = False):
 
 COUNT = bounded(int, 1)  # a number of things: at least one
 POSITIVE = bounded(float, 0.0, above=True)
+
+
+TRAIN_DESCRIPTION = """Train an image classifier that fits the GPU: the micro-batch is planned for the card
+and an out-of-memory step is retried smaller with the same maths; re-running the same command
+resumes the run exactly."""
+
+
+def _train_epilog() -> str:
+    from .config import recipe_dirs
+
+    names = sorted({p.stem for d in recipe_dirs() for p in d.glob("*.yaml")})
+    return ("recipes: " + ", ".join(names) + "\n\nexamples:\n"
+            "  vramfit train --recipe quickstart                      # the built-in digits, on a CPU in a minute\n"
+            "  vramfit train --recipe rtx3060 --data ~/photos          # ResNet50 on a 12 GB card\n"
+            "  vramfit train --recipe rtx3060 --data ~/photos --model efficientnet_b0   # a lighter backbone\n"
+            "  accelerate launch --config_file accel_configs/multi_gpu.yaml train.py --recipe multi_gpu_8x --data ~/photos")
 
 
 def _micro(v: str):
@@ -91,20 +110,28 @@ def _add_model_commands(sub) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="vramfit", description="Train image classifiers that fit your GPU.")
+    ap.add_argument("--version", action="version", version=f"vramfit {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train, evaluate and save a run")
+    t = sub.add_parser("train", help="train, evaluate and save a run", description=TRAIN_DESCRIPTION,
+                       epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(t)
-    t.add_argument("--output", help="folder that holds run folders (default runs/)")
-    t.add_argument("--run-name", dest="run_name")
-    t.add_argument("--epochs", dest="train.epochs", type=COUNT)
-    t.add_argument("--lr", dest="optim.lr", type=POSITIVE)
-    t.add_argument("--seed", dest="train.seed", type=bounded(int, 0))
-    t.add_argument("--tracker", dest="tracking.tracker",
-                   choices=["none", "wandb", "tensorboard", "wandb,tensorboard", "tensorboard,wandb"])
-    t.add_argument("--resume", help="`auto` (default: continue this run if it has a checkpoint), "
-                                    "`never`, or a checkpoint folder")
+    t.add_argument("--output", metavar="DIR", help="folder that holds run folders (default runs/)")
+    t.add_argument("--run-name", dest="run_name", metavar="NAME",
+                   help="the run folder's name under --output (default: named from the settings)")
+    t.add_argument("--epochs", dest="train.epochs", type=COUNT, metavar="N", help="epochs to train")
+    t.add_argument("--lr", dest="optim.lr", type=POSITIVE, metavar="LR",
+                   help="learning rate at the recipe's base batch (scaled to --global-batch)")
+    t.add_argument("--seed", dest="train.seed", type=bounded(int, 0), metavar="N",
+                   help="seed of the weights, sample order and augmentation")
+    t.add_argument("--tracker", dest="tracking.tracker", metavar="NAMES",
+                   help="none, wandb, tensorboard, or both: wandb,tensorboard")
+    t.add_argument("--resume", metavar="auto|never|PATH",
+                   help="`auto` (default: continue this run if it has a checkpoint), `never`, or a "
+                        "checkpoint folder")
 
     pl = sub.add_parser("plan", help="predict device memory for a recipe, without a GPU")
     _common(pl)

@@ -165,6 +165,8 @@ class HardwareConfig(Section):
     memory_gib: float | None = Field(None, gt=0)  # per card
     gpus: int = Field(1, ge=1)  # cards the recipe is written for (`vramfit plan` plans per card)
     safety_margin: float = Field(0.1, ge=0.0, lt=1.0)
+    # Train a recipe written for a GPU (memory_gib set) on a machine where torch sees none.
+    allow_cpu: bool = False
 
 
 class DebugConfig(Section):

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ import yaml
 
 from .config import PACKAGE_RECIPES
 from .errors import VramfitError
+from .gpucheck import driver_too_old, driver_version, no_gpu_reason
 
 GiB = 2**30
 # A card counts as a recipe's card when it reports at least this share of what that card reports
@@ -126,17 +125,6 @@ def resolve_auto(sets: list[str]) -> tuple[str, list[str]]:
 # The report
 
 
-def _driver_version() -> str | None:
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def machine() -> dict:
     """Versions, host and devices, under the keys a run's env.json uses (so --diff compares them)."""
     import psutil
@@ -148,7 +136,7 @@ def machine() -> dict:
     for key in ("num_processes", "distributed_type", "device"):
         env.pop(key, None)
     mem = psutil.virtual_memory()
-    env.update(driver=_driver_version(), cpu_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+    env.update(driver=driver_version(), cpu_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(), ram_total_bytes=mem.total, ram_available_bytes=mem.available)
     return env
 
@@ -235,9 +223,13 @@ def format_report(rep: dict) -> str:
              f"datasets {m.get('datasets')}",
              f"  host: {m.get('cpu_count')} CPU cores ({m.get('cpu_usable')} usable), RAM "
              f"{_gib(m.get('ram_total_bytes'))} ({_gib(m.get('ram_available_bytes'))} available)"]
+    old = driver_too_old(m.get("driver"), m.get("cuda"))
+    if old:
+        lines.append(f"driver: {old}: update it, or install a torch built for an older CUDA")
     if not rep["gpus"]:
-        lines.append("GPUs: none visible (no CUDA device): training runs on the CPU in fp32; "
-                     "`vramfit plan` still predicts GPU memory for any card")
+        why = no_gpu_reason(m.get("cuda"), os.environ.get("CUDA_VISIBLE_DEVICES"), m.get("driver"))
+        lines.append(f"GPUs: none visible ({why}): training runs on the CPU in fp32 (a GPU recipe needs "
+                     "--set hardware.allow_cpu=true); `vramfit plan` still predicts GPU memory for any card")
     for i, g in enumerate(rep["gpus"]):
         lines.append(f"GPU {i}: {g['name']}, {_gib(g['total_bytes'])} total, {_gib(g['free_bytes'])} free, "
                      f"compute {g['capability'][0]}.{g['capability'][1]}, bf16 {'yes' if g['bf16'] else 'no'}, "

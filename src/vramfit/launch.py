@@ -85,6 +85,9 @@ def start(cfg, run_dir: Path | None = None) -> Launch:
     from . import precision as precisions
     from .tracking import log_with
 
+    from .gpucheck import check_gpu_recipe
+
+    check_gpu_recipe(cfg, torch.cuda.is_available())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     precision = precisions.here(cfg)
     acc = Accelerator(mixed_precision=precision.accelerate,
