@@ -110,10 +110,10 @@ def _add_model_commands(sub) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import __version__
+    import vramfit
 
     ap = argparse.ArgumentParser(prog="vramfit", description="Train image classifiers that fit your GPU.")
-    ap.add_argument("--version", action="version", version=f"vramfit {__version__}")
+    ap.add_argument("--version", action="version", version=f"vramfit {vramfit.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train, evaluate and save a run", description=TRAIN_DESCRIPTION,
