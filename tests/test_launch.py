@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO
 
@@ -39,3 +40,50 @@ def test_a_user_error_under_accelerate_launch_quiet_is_only_the_message(tmp_path
     assert proc.stderr.count("vramfit: error:") == 1 and "HINT:" in proc.stderr
     # The same mistake without the launcher exits 2 with the message alone:
     # tests/test_train.py::test_bad_input_is_one_paragraph_not_a_traceback[missing-...].
+
+
+def test_killing_the_launcher_saves_and_the_rerun_resumes_bitwise(tmp_path, train_cli):
+    """`kill <accelerate launch pid>` (what `docker stop` and a preemption do): the launcher dies
+    without passing the signal on; the trainer still hears it (the parent-death signal), saves the
+    last completed step and stops with its own message (exit 143, which only the dead launcher could
+    have read), and the same command then resumes to the weights of a run that was never stopped."""
+    import json
+    import signal
+    import time
+
+    import psutil
+    from safetensors.torch import load_file
+
+    from helpers import tiny_args
+    from vramfit import checkpoint
+
+    args = [*tiny_args("--set", "train.log_every_steps=1", "--set", "data.limit_train_samples=240"),
+            "--output", str(tmp_path / "runs"), "--run-name", "k"]
+    ref, code = train_cli(*args[:-4], run_name="ref", output=tmp_path / "ref")
+    assert code == 0
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--cpu", "--num_processes", "1",
+           str(REPO / "train.py"), *args]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = tmp_path / "runs" / "k" / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        time.sleep(0.05)
+    trainers = psutil.Process(launcher.pid).children(recursive=True)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=60)
+    gone, alive = psutil.wait_procs(trainers, timeout=120)
+    said = launcher.stderr.read()  # the trainer writes into the pipe the launcher left it
+    assert not alive and len(gone) == 1 and "Stopped by signal 15 at global step" in said, said[-2000:]
+    saved = checkpoint.latest(tmp_path / "runs" / "k" / "checkpoints")
+    assert saved is not None and 4 <= checkpoint.read_state(saved)["global_step"] < 15
+    assert not json.loads((tmp_path / "runs" / "k" / "summary.json").read_text())["finished"]
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    ours, theirs = (load_file(d / "model" / "model.safetensors") for d in (tmp_path / "runs" / "k", ref))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_python_dash_m_vramfit_and_its_version():
+    import vramfit
+
+    proc = subprocess.run([sys.executable, "-m", "vramfit", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"vramfit {vramfit.__version__}"

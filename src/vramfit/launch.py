@@ -86,7 +86,9 @@ def start(cfg, run_dir: Path | None = None) -> Launch:
     from .tracking import log_with
 
     from .gpucheck import check_gpu_recipe
+    from .signals import end_with_parent
 
+    end_with_parent()
     check_gpu_recipe(cfg, torch.cuda.is_available())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     precision = precisions.here(cfg)

@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
 from .collectives import STOP_SIGNALS
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def under_launcher() -> bool:
+    """Started by `accelerate launch` or torchrun (they set LOCAL_RANK or ACCELERATE_* variables)."""
+    return "LOCAL_RANK" in os.environ or any(k.startswith("ACCELERATE_") for k in os.environ)
+
+
+def end_with_parent() -> bool:
+    """Under a launcher, have Linux send this process SIGTERM when the launcher dies. `kill PID`,
+    `docker stop` and a preemption signal the launcher (often PID 1), and `accelerate launch` dies
+    of it without passing it on: with this the trainer still hears it, saves the last completed step
+    and exits 143, instead of training on (or being orphaned) with no one watching. Returns whether
+    it was set. The prctl call is Linux's; torch and the standard library have no wrapper for it."""
+    if not sys.platform.startswith("linux") or not under_launcher():
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the launcher died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 class SignalFlag:
