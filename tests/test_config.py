@@ -219,3 +219,28 @@ def test_non_ascii_names_print_on_an_ascii_terminal(monkeypatch, tmp_path):
     ascii_err.flush()
     text = raw.getvalue().decode("ascii")
     assert e.value.code == 2 and "caf\\xe9" in text and "HINT:" in text
+
+
+def test_default_run_names_of_the_readmes_commands_never_collide(tmp_path):
+    """The README's training commands, run one after another into one --output, each get their
+    own folder; the same command gets the same folder again (so it resumes), and a setting that
+    only changes how the run executes (the micro-batch, checkpointing) keeps it."""
+    from vramfit.runfolder import RunPaths
+
+    photos = str(tmp_path / "photos")
+    commands = [("quickstart", [], {}), ("quickstart", [], {"train.epochs": 1}),
+                ("quickstart", [], {"data.source": photos}),
+                ("rtx3060", [], {"data.source": photos}),
+                ("rtx3060", [], {"data.source": photos, "model.name": "efficientnet_b0"}),
+                ("rtx3060", ["optim.lr=3e-4", "data.image_size=192"], {"data.source": photos})]
+    names = [RunPaths.of(build_config(*c), "bf16").name for c in commands]
+    assert len(set(names)) == len(names), names
+    assert names[1].endswith("-epochs1") and names[2].endswith("-photos") and "-lr0.0003" in names[5]
+    assert names == [RunPaths.of(build_config(*c), "bf16").name for c in commands]  # same command, same run
+    execution_only = build_config("quickstart", ["train.micro_batch=8", "model.grad_checkpointing=true",
+                                                 "data.num_workers=0", "checkpoint.every_steps=5"])
+    assert RunPaths.of(execution_only, "bf16").name == names[0]
+    many = build_config("quickstart", ["optim.lr=3e-4", "optim.weight_decay=0.01", "model.drop_rate=0.1",
+                                       "data.hflip=0.25", "train.label_smoothing=0.2"])
+    long = RunPaths.of(many, "bf16").name
+    assert long.startswith(names[0] + "-cfg") and len(long) < len(names[0]) + 16  # a short hash, not a list

@@ -14,14 +14,73 @@ from pathlib import Path
 from .errors import VramfitError
 
 
+# Settings a default run name does not carry: already in its base, where the run writes, or
+# execution only (a resume with another value is said, not refused: resume.EXECUTION_KEYS).
+NAMED_IN_BASE = {"recipe", "model.name", "data.image_size", "train.global_batch", "train.precision", "train.seed",
+                 "output", "run_name", "resume", "allow_resume_change", "data.source"}
+NOT_NAMED = ("train.micro_batch", "train.eval_batch", "train.compile", "train.log_every_steps",
+             "train.cudnn_benchmark", "data.num_workers", "data.cache_dir", "model.grad_checkpointing",
+             "model.channels_last", "checkpoint.", "tracking.", "hardware.", "debug.")
+MAX_READABLE = 40  # longer differences are named by a short hash
+
+
 def default_run_name(cfg, precision_name: str) -> str:
-    """Named from what distinguishes runs, so they line up side by side in W&B and on disk; the same
-    command on the same machine gives the same name, so re-running it resumes. `precision_name` is
-    what runs (precision.resolve: fp32 | bf16 | fp16), not `auto`."""
+    """Named from what distinguishes runs, so they line up side by side in W&B and on disk: the
+    recipe, model, image size, global batch, the precision that runs (not `auto`) and the seed; then
+    the data when it is not the recipe's, and the settings that change the run where they differ
+    from the recipe's. The same command on the same machine gives the same name (re-running it
+    resumes); commands that train differently never share a folder."""
     recipe = Path(cfg.recipe).stem if cfg.recipe else "custom"
     model = cfg.model.name.replace("/", "_").replace(":", "_")
-    return (f"{recipe}-{model}-{cfg.data.image_size}px-gb{cfg.train.global_batch}"
+    name = (f"{recipe}-{model}-{cfg.data.image_size}px-gb{cfg.train.global_batch}"
             f"-{precision_name}-s{cfg.train.seed}")
+    data, settings = _differences(cfg)
+    if data:
+        name += f"-{data}"
+    readable = "-".join(f"{key.rsplit('.', 1)[-1]}{_short(value)}" for key, value in settings)
+    if len(readable) > MAX_READABLE:
+        import hashlib
+
+        readable = "cfg" + hashlib.blake2b(repr(settings).encode(), digest_size=4).hexdigest()
+    return f"{name}-{_safe(readable)}" if readable else name
+
+
+def _differences(cfg) -> tuple[str | None, list[tuple[str, object]]]:
+    """(the data's short name when it is not the recipe's, the run-changing settings that differ
+    from the recipe's with the same model), sorted by key."""
+    from .config import Config, build_config
+
+    base = build_config(cfg.recipe, flags={"model.name": cfg.model.name}) if cfg.recipe else \
+        Config.model_validate({"model": {"name": cfg.model.name}})
+    ours, theirs = _flat(cfg.model_dump(mode="json")), _flat(base.model_dump(mode="json"))
+    data = None
+    if ours.get("data.source") != theirs.get("data.source"):
+        source = str(ours["data.source"]).rstrip("/")
+        data = _safe(Path(source).name or source)
+    settings = [(k, v) for k, v in sorted(ours.items()) if theirs.get(k, object()) != v
+                and k not in NAMED_IN_BASE and not k.startswith(NOT_NAMED)]
+    return data, settings
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _short(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "+".join(map(str, value)) or "none"
+    return {True: "on", False: "off", None: "none"}.get(value, str(value)) if not isinstance(value, (int, float)) \
+        or isinstance(value, bool) else f"{value:g}"
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._=+-" else "_" for c in text)
 
 
 @dataclass(frozen=True)
