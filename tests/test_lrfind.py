@@ -9,7 +9,7 @@ from vramfit.cli import parser
 from vramfit.config import build_config
 
 
-def test_lr_find_on_the_quickstart(tmp_path, monkeypatch):
+def test_lr_find_on_the_quickstart(tmp_path, monkeypatch, capsys):
     """The quickstart's data, model and global batch; 50 steps from 1e-4 to 1 (the default density,
     12.5 steps a decade), so it diverges and stops before the end."""
     kept = {}
@@ -41,6 +41,8 @@ def test_lr_find_on_the_quickstart(tmp_path, monkeypatch):
         png.verify()
         assert png.format == "PNG" and png.size[0] > 300
     assert "suggested LR" in out.getvalue() and "--set optim.lr=" in out.getvalue()
+    leaked = capsys.readouterr()
+    assert "finder_name" not in leaked.out + leaked.err  # the library's own lines are not printed
 
 
 def test_suggestion_is_a_tenth_of_the_smoothed_minimum():

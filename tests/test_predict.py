@@ -110,6 +110,10 @@ def test_eval_on_a_named_split_and_a_class_mismatch(run, tmp_path, capsys):
     code, _, err = _main(["eval", "--run", str(run.path), "--data", str(pets)], capsys)
     err = " ".join(err.split())  # the message is wrapped at 100 columns
     assert code == 2 and "cat, dog" in err and "0, 1, 2" in err and "HINT:" in err
+    code, _, err = _main(["eval", "--run", str(run.path), "--data", str(digits), "--split", "tset"], capsys)
+    err = " ".join(err.split())  # said in the command's own words, not the config key behind it
+    assert code == 2 and "--split tset: is not a split of" in err and "use --split with one of its splits: train, test" in err
+    assert "data.val_split" not in err
 
 
 def test_run_folder_without_a_model(run, tmp_path, capsys):

@@ -16,6 +16,7 @@ and with ~12 steps per decade its lag alone moves the minimum up by about 2x in 
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -132,7 +133,9 @@ def lr_find(cfg: Config, num_iter: int = 100, start_lr: float = 1e-7, end_lr: fl
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, ignore_index=-1)
     finder = LRFinder(run.model, optimizer, criterion, device=run.launch.acc.device,
                       **amp_settings(run.launch.precision))
-    with contextlib.redirect_stdout(sys.stderr):  # the library's own messages are not the result
+    # The library prints its own lines ("See the graph with {finder_name}.plot()"); what it found is
+    # said below, in vramfit's words.
+    with contextlib.redirect_stdout(io.StringIO()):
         finder.range_test(TrainDataLoaderIter(batches), start_lr=start_lr, end_lr=end_lr, num_iter=num_iter,
                           smooth_f=0.0, diverge_th=DIVERGE, accumulation_steps=batches.per_step)
     finder.reset()  # weights, BatchNorm statistics and optimizer state as before the sweep

@@ -97,7 +97,13 @@ def load_splits(cfg: DataConfig, seed: int | None = None, *, apply_limits: bool 
 def load_eval_split(cfg: DataConfig, split: str, class_names: list[str]):
     """One named split (e.g. `test`) of the source, labelled like the training run's classes, for an
     evaluation after training; never used to choose anything during training."""
-    src = load_source(cfg.model_copy(update={"val_split": split}))
+    try:
+        src = load_source(cfg.model_copy(update={"val_split": split}))
+    except VramfitError as e:
+        if not e.message.startswith("data.val_split"):
+            raise
+        raise VramfitError(f"--split {split}: {e.message.split('` ', 1)[1]}", hint=e.hint.replace(
+            "splits:", "use --split with one of its splits:")) from None
     if src.class_names != list(class_names):
         raise VramfitError(
             f"Split `{split}` of {src.description} gives the classes {src.class_names[:10]}, the model "
