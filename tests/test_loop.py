@@ -246,3 +246,22 @@ def test_a_micro_batch_of_one_trains_with_frozen_batchnorm(train_cli):
     run_dir, code = train_cli(*tiny_args("--micro-batch", "1", "--set", "model.bn=freeze",
                                          "--set", "data.limit_train_samples=32", "--set", "data.limit_val_samples=16"))
     assert code == 0 and json.loads((run_dir / "summary.json").read_text())["micro_batch"] == 1
+
+
+def test_outside_a_terminal_progress_is_a_plain_line_every_log_every_steps(train_cli, caplog):
+    """A job log or a pipe: a whole line every `train.log_every_steps` steps with the loss,
+    images/s, memory and the run's ETA; an out-of-memory retry said when it happens; each epoch
+    leaves a line with its training loss, validation accuracy, time and images/s."""
+    import re
+
+    with caplog.at_level(logging.INFO, logger="vramfit"):
+        _, code = train_cli(*tiny_args("--set", "train.log_every_steps=4", "--set", "data.limit_train_samples=160",
+                                       "--set", "data.limit_val_samples=16", "--set", "debug.simulate_oom_above=8"))
+    assert code == 0
+    lines = [r.getMessage() for r in caplog.records]
+    steps = [int(m.group(1)) for line in lines if (m := re.match(r"epoch 1/1 step (\d+)/10 \| loss [\d.]+ \| \d+ img/s "
+                                                                 r"\| host [\d.]+ GiB \| mb \d+ \| ETA [\d:?]+$", line))]
+    assert steps == [1, 4, 8], lines
+    assert any(line.startswith("out of memory at micro-batch 16: global step 1 ran again at micro-batch 8") for line in lines)
+    assert any(re.match(r"epoch 1/1: train loss [\d.]+, val accuracy [\d.]+ .* \| \d+ s, \d+ img/s$", line)
+               for line in lines), lines

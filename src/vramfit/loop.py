@@ -9,8 +9,6 @@ and ends `fit()` with the signal number, after a checkpoint.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,6 +19,7 @@ from . import checkpoint
 from .collectives import agree_max, agreed, average_batchnorm, full_state_dict, world_size
 from .engine import MicroBatchExhausted, NonFiniteLoss, StepInterrupted, oom_message
 from .errors import VramfitError
+from .progress import Progress
 from .validation import evaluate
 
 if TYPE_CHECKING:
@@ -70,8 +69,14 @@ class Trainer:
     clock: Clock = None
     consecutive_skips: int = 0
 
+    progress: Progress = None
+    epoch_started: float = 0.0
+
     def __post_init__(self):
         self.clock = Clock.resumed(self.state)
+        self.progress = Progress(self.L.main, self.cfg.train.epochs, len(self.loaders.sampler),
+                                 self.cfg.train.log_every_steps, self.L.acc.device, self.run.plan.predicted_peak_bytes,
+                                 first_step=self.state.global_step)
 
     # What the loop reads of its run, by the names it uses.
     cfg = property(lambda self: self.run.cfg)
@@ -100,10 +105,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ one epoch
     def train_epoch(self, epoch: int) -> int:
-        pbar = _progress(self.L.main, len(self.loaders.sampler), epoch, self.cfg.train.epochs)
+        self.epoch_started = time.time()
         batches = iter(self.loaders.train)
         t_wait = time.time()
-        try:
+        with self.progress.epoch(epoch, self.state.step_in_epoch):
             while True:
                 try:
                     batch = next(batches)
@@ -113,15 +118,12 @@ class Trainer:
                     self.step.fail_together(e)
                 t_got = time.time()
                 self.clock.data_wait += t_got - t_wait
-                signum = self.train_one(batch, epoch, t_wait, t_got, pbar)
+                signum = self.train_one(batch, epoch, t_wait)
                 if signum:
                     return signum
                 t_wait = time.time()
-        finally:
-            if pbar is not None:
-                pbar.close()
 
-    def train_one(self, batch, epoch: int, t_wait: float, t_got: float, pbar) -> int:
+    def train_one(self, batch, epoch: int, t_wait: float) -> int:
         st, cfg = self.state, self.cfg
         if st.global_step == 0 or st.step_in_epoch == 0:
             from .data import check_batch_shape
@@ -131,6 +133,7 @@ class Trainer:
                                       batch.labels.to(self.L.acc.device, non_blocking=True), epoch,
                                       st.step_in_epoch, jitter=batch.jitter)
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (logged as such)
+        changes = len(self.step.state.history)
         try:
             res = self.step(images, labels, batch.step_samples, bad_files=len(batch.bad),
                             stop_requested=self.faults.in_step(self.flag, st.global_step + 1),
@@ -144,6 +147,7 @@ class Trainer:
             raise oom_message(self.run.plan_text(), self.step.min_micro_batch) from None
         except NonFiniteLoss as e:
             raise self.nonfinite_error(e, batch) from None
+        self.say_changes(changes)
         self.count(res, batch)
         if self.ema is not None:
             self.ema.update(self.L.acc.unwrap_model(self.model), step=st.global_step + 1)
@@ -152,8 +156,11 @@ class Trainer:
         st.samples_seen += res.samples
         self.run.scheduler.step_update(num_updates=st.global_step)
         self.clock.train_samples += res.samples
-        self.clock.train_seconds += time.time() - t_wait  # data wait and step: before the report reads it
-        self.report(res, epoch, lr, time.time() - t_got, pbar)
+        seconds = time.time() - t_wait  # data wait and step
+        self.clock.train_seconds += seconds  # before the report reads it
+        self.report(res, epoch, lr)
+        self.progress.step(st.global_step, epoch, st.step_in_epoch, res.loss, res.samples, seconds,
+                           self.step.state.micro_batch)
         self.faults.after_step(self.flag, st.global_step)
         if res.signum:
             return self.stop(res.signum, f"after global step {st.global_step}")
@@ -183,11 +190,17 @@ class Trainer:
                 hint="use --precision bf16 (no loss scaling) or lower --lr; resume from the last "
                      f"checkpoint in {self.ckpt_dir}", exit_code=4)
 
-    def report(self, res, epoch: int, lr: float, dt: float, pbar) -> None:
+    def say_changes(self, before: int) -> None:
+        """An out-of-memory retry or a micro-batch change, said the moment it happened."""
+        if not self.L.main:
+            return
+        for change in self.step.state.history[before:]:
+            log.warning("%s at micro-batch %d: global step %d ran again at micro-batch %d, as every step will "
+                        "from here on (same batch, same maths)", change["why"], change["from"],
+                        self.state.global_step + 1, change["to"])
+
+    def report(self, res, epoch: int, lr: float) -> None:
         st, mb = self.state, self.step.state.micro_batch
-        if pbar is not None:
-            pbar.update(1)
-            pbar.set_postfix(loss=f"{res.loss:.4f}", lr=f"{lr:.2e}", ips=f"{res.samples / max(dt, 1e-9):.0f}", mb=mb)
         if st.global_step % self.cfg.train.log_every_steps and st.global_step != 1:
             return
         self.runlog.log({"kind": "train", "epoch": epoch, "loss": res.loss,
@@ -225,8 +238,7 @@ class Trainer:
 
             log_evaluation(self.L.acc, res.logits, res.labels, self.splits.class_names, st.global_step,
                            indices=res.indices, load_image=dataset_images(self.splits.val, self.splits.image_column))
-        if self.L.main:
-            _say_epoch(epoch + 1, self.cfg.train.epochs, res, improved)
+        self.progress.epoch_line(epoch + 1, res, improved, time.time() - (self.epoch_started or t0))
         self.save()
         signum = agree_max(self.flag.signum, self.L.acc.device)
         return self.stop(signum, "at the end of an epoch", save=False) if signum else 0
@@ -293,16 +305,6 @@ def local_buffers(model, ema) -> dict:
     return out
 
 
-def _say_epoch(epoch: int, epochs: int, res, improved: bool) -> None:
-    if res.accuracy is None:
-        log.warning("epoch %d/%d: no validation image could be read (%d unreadable): no accuracy, and this "
-                    "epoch is not taken as the best; first files:\n  %s", epoch, epochs, len(res.unreadable),
-                    "\n  ".join(res.unreadable[:10]))
-        return
-    log.info("epoch %d/%d: val accuracy %.4f (top5 %.4f, %d images), loss %.4f%s", epoch, epochs,
-             res.accuracy, res.top5, res.samples, res.loss, " (best)" if improved else "")
-
-
 def _gather_names(bad: list[str]) -> list[str]:
     """This step's unreadable train files from every process (only called when there are some)."""
     if world_size() == 1:
@@ -338,12 +340,3 @@ def _memory_figures(device) -> dict:
                    mem_reserved_bytes=torch.cuda.memory_reserved(device),
                    mem_peak_bytes=torch.cuda.max_memory_reserved(device))
     return out
-
-
-def _progress(main: bool, total: int, epoch: int, epochs: int):
-    if not main:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", dynamic_ncols=True, leave=False,
-                disable=not sys.stderr.isatty() and os.environ.get("VRAMFIT_PROGRESS") != "1")

@@ -50,6 +50,10 @@ class SignalFlag:
         return self
 
     def _handle(self, signum, _frame) -> None:
+        if not self.signum and os.environ.get("LOCAL_RANK", "0") == "0":
+            # Said at once (a step can take half a minute); os.write is safe inside a handler.
+            os.write(2, f"\nvramfit: signal {signum} received: saving the last completed step, then "
+                        "stopping\n".encode())
         self.signum = signum
 
     def raise_flag(self, signum: int = signal.SIGTERM) -> None:

@@ -1,0 +1,112 @@
+"""What a person watching a run sees between the start lines and the closing line.
+
+In a terminal: one tqdm bar per epoch (smoothed loss and images/s, the memory in use against the
+plan, the ETA of the whole run), with log lines printed above it rather than into it (tqdm's
+logging redirection). Anywhere else (a job log, a pipe): a plain line every `train.log_every_steps`
+steps with the same figures, as timm's train.py prints. Either way each epoch leaves one line with
+its training loss, validation accuracy, time and throughput. Main process only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+
+import torch
+
+log = logging.getLogger("vramfit")
+SMOOTHING = 0.1  # weight of the newest step in the running averages (tqdm's own default is 0.3)
+
+
+def memory_text(device, planned_bytes: int | None) -> str:
+    """Device memory in use (allocated / reserved, against the plan's peak), or the host's on a CPU."""
+    gib = 2**30
+    if device.type == "cuda":
+        text = f"{torch.cuda.memory_allocated(device) / gib:.1f}/{torch.cuda.memory_reserved(device) / gib:.1f} GiB"
+        return text + (f" (plan {planned_bytes / gib:.1f})" if planned_bytes else "")
+    import psutil
+
+    return f"host {psutil.Process().memory_info().rss / gib:.1f} GiB"
+
+
+class Progress:
+    def __init__(self, main: bool, epochs: int, steps_per_epoch: int, log_every: int, device,
+                 planned_bytes: int | None, first_step: int, terminal: bool | None = None):
+        self.main, self.epochs, self.steps_per_epoch, self.log_every = main, epochs, steps_per_epoch, log_every
+        self.device, self.planned = device, planned_bytes
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.total_steps = epochs * steps_per_epoch
+        self.first_step, self.t0 = first_step, time.time()
+        self.loss = self.ips = None
+        self.bar = None
+        self.epoch_loss = self.epoch_samples = self.epoch_seconds = 0.0
+
+    @contextlib.contextmanager
+    def epoch(self, epoch: int, start_step: int):
+        """Around one epoch's steps: the bar (a terminal) with log lines routed above it."""
+        self.epoch_loss = self.epoch_samples = self.epoch_seconds = 0.0
+        if not (self.main and self.terminal):
+            yield
+            return
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.bar = tqdm(total=self.steps_per_epoch, initial=start_step, desc=f"epoch {epoch + 1}/{self.epochs}",
+                        dynamic_ncols=True, leave=False)
+        try:
+            with logging_redirect_tqdm(loggers=[log]):
+                yield
+        finally:
+            self.bar.close()
+            self.bar = None
+
+    def step(self, global_step: int, epoch: int, step_in_epoch: int, loss: float, samples: int, seconds: float,
+             micro_batch: int) -> None:
+        self.epoch_loss += loss * samples
+        self.epoch_samples += samples
+        self.epoch_seconds += seconds
+        ips = samples / max(seconds, 1e-9)
+        self.loss = loss if self.loss is None else (1 - SMOOTHING) * self.loss + SMOOTHING * loss
+        self.ips = ips if self.ips is None else (1 - SMOOTHING) * self.ips + SMOOTHING * ips
+        if not self.main:
+            return
+        figures = (f"loss {self.loss:.4f} | {self.ips:.0f} img/s | {memory_text(self.device, self.planned)} | "
+                   f"mb {micro_batch} | ETA {_clock(self.eta(global_step))}")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(figures, refresh=False)
+        elif global_step % self.log_every == 0 or global_step == 1:
+            log.info("epoch %d/%d step %d/%d | %s", epoch + 1, self.epochs, step_in_epoch, self.steps_per_epoch,
+                     figures)
+
+    def eta(self, global_step: int) -> float:
+        """Seconds to the end of the run at the pace of this launch so far."""
+        done = global_step - self.first_step
+        if done <= 0:
+            return float("nan")
+        return (time.time() - self.t0) / done * (self.total_steps - global_step)
+
+    def epoch_line(self, epoch: int, res, improved: bool, seconds: float) -> None:
+        """The line each epoch leaves: training loss, validation accuracy, time, throughput."""
+        if not self.main:
+            return
+        train = (f"train loss {self.epoch_loss / self.epoch_samples:.4f}, " if self.epoch_samples else "")
+        pace = f", {self.epoch_samples / self.epoch_seconds:.0f} img/s" if self.epoch_seconds else ""
+        if res.accuracy is None:
+            log.warning("epoch %d/%d: %sno validation image could be read (%d unreadable): no accuracy, and this "
+                        "epoch is not taken as the best; first files:\n  %s", epoch, self.epochs, train,
+                        len(res.unreadable), "\n  ".join(res.unreadable[:10]))
+            return
+        log.info("epoch %d/%d: %sval accuracy %.4f (top5 %.4f, %d images), val loss %.4f%s | %.0f s%s", epoch,
+                 self.epochs, train, res.accuracy, res.top5, res.samples, res.loss, " (best)" if improved else "",
+                 seconds, pace)
+
+
+def _clock(seconds: float) -> str:
+    if seconds != seconds:  # nan: nothing measured yet
+        return "?"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
