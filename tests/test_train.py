@@ -95,13 +95,14 @@ def test_rerunning_a_finished_run_exits_at_once(quickstart):
 
 
 def test_a_finished_run_with_other_settings_is_not_silently_skipped(quickstart):
-    """Same run folder, another --lr: the settings are checked before "already finished", and the
-    error says what changed and how to start fresh; nothing in the folder changes."""
+    """Same run folder (named explicitly: a default name would differ), another --lr: the settings
+    are checked before "already finished", and the error says what changed and how to start fresh;
+    nothing in the folder changes."""
     run_dir, _, _ = quickstart
     before = (run_dir / "summary.json").read_text()
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), *QS_SHORT, "--output",
-                           str(run_dir.parent), "--lr", "0.5"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                           str(run_dir.parent), "--run-name", run_dir.name, "--lr", "0.5"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "lr:" in proc.stderr and "--run-name" in proc.stderr and "already finished" not in proc.stderr
     assert (run_dir / "summary.json").read_text() == before
