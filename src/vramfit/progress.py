@@ -70,14 +70,15 @@ class Progress:
         ips = samples / max(seconds, 1e-9)
         self.loss = loss if self.loss is None else (1 - SMOOTHING) * self.loss + SMOOTHING * loss
         self.ips = ips if self.ips is None else (1 - SMOOTHING) * self.ips + SMOOTHING * ips
-        if not self.main:
+        line_due = self.bar is None and (global_step % self.log_every == 0 or global_step == 1)
+        if not self.main or not (self.bar is not None or line_due):
             return
         figures = (f"loss {self.loss:.4f} | {self.ips:.0f} img/s | {memory_text(self.device, self.planned)} | "
                    f"mb {micro_batch} | ETA {_clock(self.eta(global_step))}")
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(figures, refresh=False)
-        elif global_step % self.log_every == 0 or global_step == 1:
+        else:
             log.info("epoch %d/%d step %d/%d | %s", epoch + 1, self.epochs, step_in_epoch, self.steps_per_epoch,
                      figures)
 
