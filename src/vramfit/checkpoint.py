@@ -8,7 +8,6 @@ every file's checksum, then rename, and only then delete older checkpoints.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -21,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import VramfitError
+from .storage import storage_fault
 
 log = logging.getLogger(__name__)
 
@@ -131,65 +131,6 @@ def _writing(root: Path, tmp: Path):
             f"Could not write a checkpoint into {root}: {cause}. Last complete checkpoint: {last or 'none'} (kept).",
             hint="free space (or raise the limit, or fix the folder's permissions) and re-run the same command: "
                  "it resumes from the last complete checkpoint") from None
-
-
-# errno -> what the user is told; these are the storage's faults, never the program's.
-STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
-                  errno.EFBIG: "a file reached the file size limit (ulimit -f)",
-                  errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-                  errno.EPERM: "permission denied", errno.EIO: "an input/output error on the disk"}
-PROBE_BYTES = 1 << 20
-
-
-def storage_fault(error: BaseException, root: Path, written: Path | None = None) -> str | None:
-    """What about the storage under `root` made `error` happen, or None when the storage is fine
-    (the error is the program's). Checked in order: an OSError with a storage errno anywhere in the
-    exception's chain; a file in `written` that reached the file size limit; a write probe that
-    fails; free space under one probe."""
-    cause = errno_fault(error)
-    if cause is not None:
-        return cause
-    limit = _file_size_limit()
-    if limit is not None and written is not None and written.is_dir():
-        sizes = [f.stat().st_size for f in written.rglob("*") if f.is_file()]
-        if sizes and max(sizes) >= limit - PROBE_BYTES:
-            return f"a file reached the file size limit (ulimit -f: {limit} bytes)"
-    probe = Path(root) / f".vramfit-space-probe-{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"\0" * PROBE_BYTES)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as probe_error:
-        return STORAGE_ERRNOS.get(probe_error.errno, probe_error.strerror or str(probe_error))
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    with contextlib.suppress(OSError):
-        if shutil.disk_usage(root).free < PROBE_BYTES:
-            return STORAGE_ERRNOS[errno.ENOSPC]
-    return None
-
-
-def errno_fault(error: BaseException) -> str | None:
-    """The storage fault an OSError anywhere in `error`'s chain names by its errno, or None."""
-    seen, e = set(), error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
-            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-            return STORAGE_ERRNOS[e.errno] + where
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _file_size_limit() -> int | None:
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def is_complete(path: Path, verify: bool = True) -> bool:

@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\nvramfit: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - another process's failure and a storage fault become a line here
-        from .checkpoint import errno_fault
+        from .storage import errno_fault
         from .collectives import ProcessFailed
 
         fault = errno_fault(e)

@@ -307,7 +307,7 @@ def _load_files(cfg: DataConfig, kind: str, root: Path, files: list[Path]):
     try:
         return datasets.load_dataset(kind, data_files=by_split, **kwargs)
     except Exception as e:  # noqa: BLE001
-        from ..checkpoint import errno_fault
+        from ..storage import errno_fault
 
         if errno_fault(e) is not None:  # the cache the files are converted into, not the files
             raise

@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..errors import VramfitError
 
 # ---------------------------------------------------------------------------------------------
 # CUDA autocast rules on CPU fake tensors (see module docstring).
