@@ -244,3 +244,16 @@ def test_default_run_names_of_the_readmes_commands_never_collide(tmp_path):
                                        "data.hflip=0.25", "train.label_smoothing=0.2"])
     long = RunPaths.of(many, "bf16").name
     assert long.startswith(names[0] + "-cfg") and len(long) < len(names[0]) + 16  # a short hash, not a list
+
+
+def test_every_command_has_a_description_examples_and_help_on_every_flag():
+    import argparse
+
+    from vramfit.cli import parser
+
+    (commands,) = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, p in commands.choices.items():
+        assert p.description and "examples:" in p.epilog and f"vramfit {name}" in p.epilog or name == "train", name
+        missing = [a.dest for a in p._actions if not a.help and not isinstance(a, argparse._HelpAction)]
+        assert not missing, (name, missing)
+    assert "recipes: " in commands.choices["train"].epilog and "quickstart" in commands.choices["train"].epilog

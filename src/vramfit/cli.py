@@ -60,15 +60,67 @@ and an out-of-memory step is retried smaller with the same maths; re-running the
 resumes the run exactly."""
 
 
+EXAMPLES = {  # each command's --help ends with these
+    "train": [
+        "vramfit train --recipe quickstart                      # the built-in digits, on a CPU in a minute",
+        "vramfit train --recipe rtx3060 --data ~/photos          # ResNet50 on a 12 GB card",
+        "vramfit train --recipe rtx3060 --data ~/photos --model efficientnet_b0   # a lighter backbone",
+        "accelerate launch --config_file accel_configs/multi_gpu.yaml train.py --recipe multi_gpu_8x --data ~/photos",
+    ],
+    "eval": [
+        "vramfit eval --run runs/NAME                       # the run's own validation split",
+        'vramfit eval --run runs/NAME --split test          # a held-out split of the same data',
+        'vramfit eval --run runs/NAME --data ~/more-photos  # other labelled data, same classes',
+    ],
+    "predict": [
+        'vramfit predict --run runs/NAME photo.jpg folder/   # top-5 labels of each image',
+        'vramfit predict --run runs/NAME folder/ --csv > labels.csv',
+    ],
+    "export": [
+        'vramfit export --run runs/NAME --format onnx --format torchscript',
+        'vramfit export --run runs/NAME --push-to-hub user/my-classifier --private',
+    ],
+    "plan": [
+        'vramfit plan --recipe rtx3060                        # memory of the recipe on its card',
+        'vramfit plan --recipe rtx3060 --model efficientnet_b0 --precision bf16 --json',
+        'vramfit plan --recipe multi_gpu_8x --num-processes 8 --memory-gib 80',
+    ],
+    "scan-data": [
+        'vramfit scan-data --data ~/photos   # every unreadable image, before training (exit 1 if any)',
+    ],
+    "compare": [
+        'vramfit compare runs/                               # every run under runs/',
+        'vramfit compare runs/a runs/b --plot compare.png --csv runs.csv',
+    ],
+    "prepare": [
+        'vramfit prepare --data ~/photos --output ~/photos-320   # resized once; train with --data ~/photos-320',
+    ],
+    "doctor": [
+        'vramfit doctor                              # versions, GPUs, the recipe that fits this card',
+        'vramfit doctor --recipe rtx3060 --data ~/photos',
+        'vramfit doctor --diff runs/NAME              # what differs from the machine the run came from',
+    ],
+    "lr-find": [
+        'vramfit lr-find --recipe rtx3060 --data ~/photos --plot lr.png',
+    ],
+}
+
+
+def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help has a description and ends with its examples."""
+    return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".",
+                          epilog=_examples(EXAMPLES[name]), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _examples(lines: list[str]) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def _train_epilog() -> str:
     from .config import recipe_dirs
 
     names = sorted({p.stem for d in recipe_dirs() for p in d.glob("*.yaml")})
-    return ("recipes: " + ", ".join(names) + "\n\nexamples:\n"
-            "  vramfit train --recipe quickstart                      # the built-in digits, on a CPU in a minute\n"
-            "  vramfit train --recipe rtx3060 --data ~/photos          # ResNet50 on a 12 GB card\n"
-            "  vramfit train --recipe rtx3060 --data ~/photos --model efficientnet_b0   # a lighter backbone\n"
-            "  accelerate launch --config_file accel_configs/multi_gpu.yaml train.py --recipe multi_gpu_8x --data ~/photos")
+    return "recipes: " + ", ".join(names) + "\n\n" + _examples(EXAMPLES["train"])
 
 
 def _micro(v: str):
@@ -85,22 +137,22 @@ def _micro(v: str):
 
 def _add_model_commands(sub) -> None:
     """The commands that use a trained run's model: eval, predict, export."""
-    ev = sub.add_parser("eval", help="evaluate a run's model: top-1/top-5, per class, confusion matrix")
+    ev = _command(sub, "eval", "evaluate a run's model: top-1/top-5, per class, confusion matrix")
     ev.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
     ev.add_argument("--data", help="another labelled source with the same classes (default: the run's)")
     ev.add_argument("--split", help="a named split of the source, e.g. test (default: the run's validation split)")
-    ev.add_argument("--batch-size", type=COUNT, default=64)
+    ev.add_argument("--batch-size", type=COUNT, default=64, metavar="N", help="images per forward (default 64)")
 
-    pd = sub.add_parser("predict", help="top-k labels of images with a run's model")
+    pd = _command(sub, "predict", "top-k labels of images with a run's model")
     pd.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
-    pd.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER")
-    pd.add_argument("--top-k", type=COUNT, default=5)
-    pd.add_argument("--batch-size", type=COUNT, default=64)
+    pd.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files, or folders of them")
+    pd.add_argument("--top-k", type=COUNT, default=5, metavar="K", help="labels per image (default 5)")
+    pd.add_argument("--batch-size", type=COUNT, default=64, metavar="N", help="images per forward (default 64)")
     fmt = pd.add_mutually_exclusive_group()
-    fmt.add_argument("--json", dest="fmt", action="store_const", const="json")
-    fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv")
+    fmt.add_argument("--json", dest="fmt", action="store_const", const="json", help="print JSON")
+    fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv", help="print CSV")
 
-    ex = sub.add_parser("export", help="a run's model as ONNX / TorchScript / safetensors with a model card")
+    ex = _command(sub, "export", "a run's model as ONNX / TorchScript / safetensors with a model card")
     ex.add_argument("--run", required=True, help="run folder (runs/<run_name>)")
     ex.add_argument("--format", action="append", default=[], choices=["onnx", "torchscript", "safetensors"],
                     help="repeatable")
@@ -133,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
                    help="`auto` (default: continue this run if it has a checkpoint), `never`, or a "
                         "checkpoint folder")
 
-    pl = sub.add_parser("plan", help="predict device memory for a recipe, without a GPU")
+    pl = _command(sub, "plan", "predict device memory for a recipe, without a GPU")
     _common(pl)
     pl.add_argument("--memory-gib", type=POSITIVE, help="device memory to fit into (default: the recipe's card)")
     pl.add_argument("--num-processes", type=COUNT, default=None,
@@ -142,40 +194,46 @@ def parser() -> argparse.ArgumentParser:
                     help="classes of the head (default: 1000; the built-in digits: 10)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    sd = sub.add_parser("scan-data", help="check every image of a dataset before training")
-    sd.add_argument("--data", required=True)
-    sd.add_argument("--set", dest="sets", action="append", default=[])
+    sd = _command(sub, "scan-data", "check every image of a dataset before training")
+    sd.add_argument("--data", required=True, metavar="SOURCE", help="the images to check (any --data source)")
+    sd.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="data settings, e.g. --set data.image_column=img (repeatable)")
 
-    cm = sub.add_parser("compare", help="summaries of several runs side by side")
+    cm = _command(sub, "compare", "summaries of several runs side by side")
     cm.add_argument("runs", nargs="+", help="run folders, or an output folder such as runs/")
     cm.add_argument("--sort", default="best_accuracy", help="summary.json key to sort by (descending)")
-    cm.add_argument("--json", action="store_true")
+    cm.add_argument("--json", action="store_true", help="print the runs as JSON")
     cm.add_argument("--plot", metavar="PNG", help="write accuracy vs wall time, peak memory and throughput")
     cm.add_argument("--csv", metavar="FILE", help="write the table as CSV (raw numbers)")
 
     _add_model_commands(sub)
 
-    pr = sub.add_parser("prepare", help="pre-resize a dataset once into a compact Arrow dataset")
-    pr.add_argument("--data", required=True)
-    pr.add_argument("--output", required=True)
-    pr.add_argument("--max-side", type=bounded(int, 16), default=320)
-    pr.add_argument("--quality", type=bounded(int, 1, 100), default=90)
-    pr.add_argument("--workers", type=bounded(int, 0), default=None)
-    pr.add_argument("--set", dest="sets", action="append", default=[])
+    pr = _command(sub, "prepare", "pre-resize a dataset once into a compact Arrow dataset")
+    pr.add_argument("--data", required=True, metavar="SOURCE", help="the dataset to resize (any --data source)")
+    pr.add_argument("--output", required=True, metavar="DIR", help="where the resized Arrow dataset goes")
+    pr.add_argument("--max-side", type=bounded(int, 16), default=320, metavar="PX",
+                    help="longest side after resizing (default 320)")
+    pr.add_argument("--quality", type=bounded(int, 1, 100), default=90, metavar="Q",
+                    help="JPEG quality of the stored images, 1-100 (default 90)")
+    pr.add_argument("--workers", type=COUNT, default=None, metavar="N",
+                    help="decoding processes (default: one per CPU)")
+    pr.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="data settings, e.g. --set data.label_column=fine_label (repeatable)")
 
-    dr = sub.add_parser("doctor", help="this machine: versions, GPUs, the recipe that fits; checks a recipe and data")
+    dr = _command(sub, "doctor", "this machine: versions, GPUs, the recipe that fits; checks a recipe and data")
     dr.add_argument("--recipe", help="plan this recipe for this card (`auto`: the one that fits)")
     dr.add_argument("--data", dest="data.source", help="check that these images come out at the recipe's size")
-    dr.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    dr.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key of the recipe (repeatable)")
     dr.add_argument("--json", action="store_true", help="print the report as JSON")
     dr.add_argument("--diff", metavar="RUN_DIR", help="what differs from the machine a run came from")
 
-    lf = sub.add_parser("lr-find", help="LR range test on the recipe's model and data: suggests an LR, plots it")
+    lf = _command(sub, "lr-find", "LR range test on the recipe's model and data: suggests an LR, plots it")
     _common(lf)
     lf.add_argument("--steps", type=bounded(int, 10), default=100,
                     help="optimizer steps of the sweep at most (default 100, at least 10)")
-    lf.add_argument("--start-lr", type=POSITIVE, default=1e-7)
-    lf.add_argument("--end-lr", type=POSITIVE, default=10.0)
+    lf.add_argument("--start-lr", type=POSITIVE, default=1e-7, metavar="LR", help="first LR of the sweep (default 1e-7)")
+    lf.add_argument("--end-lr", type=POSITIVE, default=10.0, metavar="LR", help="last LR of the sweep (default 10)")
     lf.add_argument("--plot", default="lr_find.png", help="where the plot goes (PNG, default ./lr_find.png)")
     return ap
 
