@@ -155,14 +155,14 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
     start = start or Start()
     model, data_cfg = build_model(cfg, L, len(class_names))
     model, optimizer, scheduler, ema = prepare_training(cfg, L, model, steps_per_epoch)
-    plan = choose_micro_batch(cfg, L, len(class_names), model, start.point)
+    smallest = min_micro_batch(L.acc.unwrap_model(model))  # the plan's floor and the OOM retry's
+    plan = choose_micro_batch(cfg, L, len(class_names), model, start.point, smallest)
     seconds = cpu_seconds_per_sample(cfg, L, model, plan.micro)
     model = compile_model(cfg, L, model)
     state = restore_state(cfg, L, start, plan.micro, class_names, model, scheduler, ema)
     step = TrainStep(L.acc, model, optimizer, plan.micro.size, maths=step_maths(cfg.train),
                      check_grad_norm=not L.precision.scales_loss, oom_retries=state.oom_retries,
-                     recomputes=cfg.model.grad_checkpointing,
-                     min_micro_batch=min_micro_batch(L.acc.unwrap_model(model)))
+                     recomputes=cfg.model.grad_checkpointing, min_micro_batch=smallest)
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
                     state, step, seconds)
 
@@ -293,12 +293,12 @@ def prepare_training(cfg: Config, L: Launch, model, steps_per_epoch: int):
     return model, optimizer, scheduler, ema
 
 
-def choose_micro_batch(cfg: Config, L: Launch, num_classes: int, model, point) -> Plan:
+def choose_micro_batch(cfg: Config, L: Launch, num_classes: int, model, point, smallest: int = 1) -> Plan:
     """The one micro-batch rule (batching.resolve_micro_batch): configured, whole share, `auto`
     (planner, then a probe on the device: memory.auto_pick), or where an interrupted run had come
-    down to. Returns it in the plan (plan.json) with the lines to say at start about it."""
+    down to, never below `smallest` (models.min_micro_batch). Returns it in the plan (plan.json)
+    with the lines to say at start about it."""
     from .memory import auto_pick
-    from .models import min_micro_batch
 
     per_proc = batching.per_process_batch(cfg.train.global_batch, L.world)
     probe: dict = {}  # what the probe found, for plan.json
@@ -306,7 +306,7 @@ def choose_micro_batch(cfg: Config, L: Launch, num_classes: int, model, point) -
     pick = auto_pick(cfg, num_classes, L.acc.unwrap_model(model), L.acc.device, probe) if auto_here else None
     resumed = resume.resumed_micro_batch(point, L.world, cfg.allow_resume_change)
     mb = batching.resolve_micro_batch(cfg.train.micro_batch, per_proc, pick=pick, resumed=resumed,
-                                      min_size=min_micro_batch(L.acc.unwrap_model(model)))
+                                      min_size=smallest)
     plan = Plan(mb, cfg.train.micro_batch, L.world, L.precision.accelerate,
                 probe={k: v for k, v in probe.items() if k != "micro_batch"}, **_predict(cfg, num_classes, mb, L))
     plan.notes = fit_notes(cfg, L, num_classes, mb, plan.predicted_peak_bytes)
