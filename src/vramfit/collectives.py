@@ -243,15 +243,29 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
 
 
 def average_batchnorm(module: torch.nn.Module) -> None:
-    """Average BatchNorm running statistics over processes (timm's distribute_bn). Buffers are not
-    broadcast in forward (that would be a collective inside each micro-batch, where a process that
-    ran out of memory could no longer join), so every evaluation and save calls this first, for the
-    live model and for its EMA alike."""
+    """Average BatchNorm running statistics over processes (as timm's distribute_bn, in one
+    collective per dtype). Buffers are not broadcast in forward (that would be a collective inside
+    each micro-batch, where a process that ran out of memory could no longer join), so every
+    evaluation and save calls this first, for the live model and for its EMA alike. Frozen norms
+    (freezing.holds_statistics) are left out: their statistics are the same everywhere, and an
+    average over 3 or 6 processes could round them."""
     n = world_size()
-    if n > 1:
-        from timm.utils import distribute_bn
+    if n == 1:
+        return
+    from .freezing import batch_statistics_norms
 
-        distribute_bn(module, n, reduce=True)
+    groups: dict = {}
+    for m in batch_statistics_norms(module):
+        for b in (m.running_mean, m.running_var):
+            if b is not None:
+                groups.setdefault(b.dtype, []).append(b)
+    with torch.no_grad():
+        for bufs in groups.values():
+            flat = torch.cat([b.reshape(-1) for b in bufs])
+            dist.all_reduce(flat)
+            flat /= n
+            for b, avg in zip(bufs, flat.split([b.numel() for b in bufs])):
+                b.copy_(avg.view_as(b))
 
 
 class ProcessFailed(Exception):

@@ -40,10 +40,15 @@ class ModelConfig(Section):
     channels_last: bool = False
     drop_rate: float = Field(0.0, ge=0.0, lt=1.0)
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
-    # BatchNorm policy: `train` updates running stats; `freeze` keeps them fixed (eval-mode BN), which
-    # also makes every batch split give the same maths.
-    bn: Literal["train", "freeze"] = "train"
-    # Names (prefixes) of parameters to freeze, e.g. ["conv1", "bn1", "layer1"].
+    # BatchNorm policy: `train` normalises each micro-batch by its own statistics and updates the
+    # running ones; `freeze` keeps every statistic and affine fixed (timm's FrozenBatchNorm2d), which
+    # also makes every batch split give the same maths; `sync` computes the statistics over the
+    # micro-batches of all processes (SyncBatchNorm; one process: as `train`).
+    bn: Literal["train", "freeze", "sync"] = "train"
+    # Running-statistics momentum of every BatchNorm (None: the model's own, 0.1 in timm).
+    bn_momentum: float | None = Field(None, gt=0.0, le=1.0)
+    # Names (prefixes) of modules or parameters to freeze for the whole run, e.g. ["conv1", "bn1",
+    # "layer1"]: not trained, and their BatchNorm keeps its statistics (eval mode).
     freeze: list[str] = Field(default_factory=list)
     # Exponential moving average of the weights (timm ModelEmaV3, with decay warmup); evaluated and
     # exported instead of the raw weights when set. Typical: 0.999 for fine-tuning.
@@ -118,6 +123,9 @@ class TrainConfig(Section):
     compile: bool = False
     # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
     max_consecutive_skipped_steps: int = Field(25, ge=1)
+    # Staged fine-tuning: the first N epochs train only the classifier head (the rest frozen, its
+    # BatchNorm statistics fixed), then the whole network less model.freeze. 0: off.
+    freeze_epochs: int = Field(0, ge=0)
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -144,6 +152,12 @@ class OptimConfig(Section):
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_epochs: float = Field(1.0, ge=0.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    # Per-layer LR multipliers (timm's param_groups_layer_decay): the head at the full LR, each
+    # earlier layer group times this. None: one LR for the whole network.
+    layer_decay: float | None = Field(None, gt=0.0, le=1.0)
+    # train.freeze_epochs: the parameters that start training at the unfreeze ramp up to the
+    # schedule's LR over this many epochs (the head continues its schedule unchanged).
+    unfreeze_warmup_epochs: float = Field(0.5, ge=0.0)
 
 
 class CheckpointConfig(Section):
@@ -221,6 +235,11 @@ class Config(Section):
     def _check(self):
         if self.model.pretrained and self.model.pretrained_path:
             raise ValueError("model.pretrained and model.pretrained_path are exclusive: pick one")
+        if self.train.freeze_epochs and self.train.freeze_epochs >= self.train.epochs:
+            raise ValueError(f"train.freeze_epochs ({self.train.freeze_epochs}) must be fewer than train.epochs "
+                             f"({self.train.epochs}): the epochs after it train the whole network; use "
+                             f"--set train.freeze_epochs={max(1, self.train.epochs // 4) if self.train.epochs > 1 else 0} "
+                             "or more --epochs")
         return self
 
     def to_yaml(self) -> str:
@@ -322,6 +341,8 @@ def _explain(err: ValidationError) -> VramfitError:
                 hints.append(f"did you mean `{prefix + '.' if prefix else ''}{close[0]}`?")
             else:
                 hints.append(f"valid keys{' in `' + prefix + '`' if prefix else ''}: {', '.join(valid)}")
+        elif not loc and e["type"] == "value_error":  # a rule over several keys: its message says it all
+            lines.append(e["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"`{loc}`: {e['msg']} (got {e.get('input')!r})")
     return VramfitError("Invalid configuration: " + "; ".join(lines) + ".",

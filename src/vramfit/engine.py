@@ -159,9 +159,11 @@ class TrainStep:
                  recomputes: bool = False, maths: StepMaths | None = None, min_micro_batch: int = 1):
         self.acc, self.model, self.optimizer = accelerator, model, optimizer
         self.device = accelerator.device
-        self.params = [p for p in model.parameters() if p.requires_grad]
         self.fsdp = is_fsdp(model)
-        self.reducer = GradReducer(self.params) if not self.fsdp else None
+        self._collect_params()
+        # SyncBatchNorm gathers statistics inside every forward: a process may neither leave the
+        # micro-batches early (a stop request waits for the step's end) nor retry them alone.
+        self.collective_forward = any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
         self.vote = StepVote(self.device)
         self.state = StepState(micro_batch=micro_batch, oom_retries=oom_retries)
         self.maths = maths or StepMaths(label_smoothing=label_smoothing, clip_grad_norm=clip_grad_norm)
@@ -170,6 +172,17 @@ class TrainStep:
         self.recomputes = recomputes and any(True for _ in model.buffers())  # gradient checkpointing
         self.zero_loss = torch.zeros((), device=self.device)
         self.zero_hits = torch.zeros((), device=self.device, dtype=torch.int64)
+
+    def _collect_params(self) -> None:
+        """The parameters that train now, and the reducer that sums their gradients."""
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.reducer = GradReducer(self.params) if not self.fsdp else None
+
+    def retarget(self, micro_batch: int, min_micro_batch: int) -> None:
+        """Another phase of the run (phases.enter changed what trains): its parameters, its
+        micro-batch and the floor of its out-of-memory retry."""
+        self._collect_params()
+        self.state.micro_batch, self.min_micro_batch = micro_batch, min_micro_batch
 
     def __call__(self, images, labels, step_samples: int, *, stop_requested: Callable[[], int] | None = None,
                  bad_files: int = 0, loss_fn: Callable | None = None) -> StepResult:
@@ -204,7 +217,7 @@ class TrainStep:
         loss_sum, correct = self.zero_loss.clone(), self.zero_hits.clone()
         try:
             for k, (s, e) in enumerate(bounds):
-                if stop_requested is not None and stop_requested():
+                if stop_requested is not None and not self.collective_forward and stop_requested():
                     return Status.STOP, (loss_sum, correct)
                 if k == len(bounds) - 1:
                     self.reducer.arm()
@@ -215,6 +228,9 @@ class TrainStep:
         except Exception as e:  # noqa: BLE001 - OOM is handled; anything else is voted, then raised
             if not is_oom(e):
                 self.fail_together(e)
+            if self.collective_forward:
+                raise MicroBatchExhausted("out of memory with bn: sync (its statistics are gathered inside "
+                                          "every forward, so one process cannot retry alone)") from e
             self.optimizer.zero_grad(set_to_none=True)  # the partial gradients go with the graph
             return Status.OOM, (self.zero_loss, self.zero_hits)
         return Status.OK, (loss_sum, correct)

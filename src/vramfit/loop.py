@@ -19,10 +19,12 @@ from . import checkpoint
 from .collectives import agree_max, agreed, average_batchnorm, full_state_dict, world_size
 from .engine import MicroBatchExhausted, NonFiniteLoss, StepInterrupted, oom_message
 from .errors import VramfitError
+from .optim import head_lr
 from .progress import Progress
 from .validation import evaluate
 
 if TYPE_CHECKING:
+    from .phases import Phase
     from .setup import Run
     from .signals import SignalFlag
     from .state import TrainerState
@@ -71,9 +73,13 @@ class Trainer:
 
     progress: Progress = None
     epoch_started: float = 0.0
+    phase: Phase = None  # what trains now
 
     def __post_init__(self):
+        from .phases import phase_at
+
         self.clock = Clock.resumed(self.state)
+        self.phase = phase_at(self.run.phases, self.state.epoch)  # setup.build_training entered it
         self.progress = Progress(self.L.main, self.cfg.train.epochs, len(self.loaders.sampler),
                                  self.cfg.train.log_every_steps, self.L.acc.device, self.run.plan.predicted_peak_bytes,
                                  first_step=self.state.global_step)
@@ -98,10 +104,27 @@ class Trainer:
             start = self.state.step_in_epoch if epoch == self.state.epoch else 0
             self.loaders.sampler.set_epoch(epoch, start)
             self.state.epoch = epoch
+            self.enter_phase(epoch)
             signum = self.train_epoch(epoch) or self.end_epoch(epoch)
             if signum:
                 return signum
         return 0
+
+    def enter_phase(self, epoch: int) -> None:
+        """Staged fine-tuning: at the first epoch of a phase, train what it trains, at its micro-batch."""
+        from .phases import enter, phase_at
+        from .setup import phase_line
+
+        phase = phase_at(self.run.phases, epoch)
+        if phase == self.phase:
+            return
+        enter(self.L.acc.unwrap_model(self.model), phase, self.phase)
+        plan = self.run.phase_plan(phase)
+        self.step.retarget(plan.micro.size, plan.min_micro_batch)
+        self.model.train()
+        self.phase = phase
+        if self.L.main:
+            log.info("epoch %d: now training %s", epoch + 1, phase_line(self.cfg, plan))
 
     # ------------------------------------------------------------------------------ one epoch
     def train_epoch(self, epoch: int) -> int:
@@ -132,7 +155,7 @@ class Trainer:
         images, labels = self.run.augment(self.loaders.normalize(batch.images),
                                       batch.labels.to(self.L.acc.device, non_blocking=True), epoch,
                                       st.step_in_epoch, jitter=batch.jitter)
-        lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (logged as such)
+        lr = head_lr(self.optimizer)  # the LR this step uses (the head's; logged as such)
         changes = len(self.step.state.history)
         try:
             res = self.step(images, labels, batch.step_samples, bad_files=len(batch.bad),
@@ -265,6 +288,7 @@ class Trainer:
         st = self.state
         self.clock.record(st)
         st.micro_batch, st.oom_retries = self.step.state.micro_batch, self.step.state.oom_retries
+        st.phase = self.phase.name
         keep = (st.best_step,) if st.best_step is not None else ()
         extra = {"ema": self.ema.module.state_dict()} if self.ema is not None else {}
         local = local_buffers(self.model, self.ema) if world_size() > 1 else None

@@ -83,8 +83,11 @@ def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True,
         # Library conversion: BatchNorm2d -> FrozenBatchNorm2d (fixed statistics and affine). Every
         # batch split then gives identical maths, and small micro-batches do not corrupt statistics.
         model = timm.layers.freeze_batch_norm_2d(model)
+    set_bn_momentum(model, cfg.bn_momentum)
     if cfg.freeze:
-        freeze_parameters(model, cfg.freeze)
+        from .freezing import freeze
+
+        freeze(model, cfg.freeze)
     if cfg.grad_checkpointing:
         try:
             model.set_grad_checkpointing(True)
@@ -125,33 +128,31 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
-# BatchNorm that normalises with the statistics of its own batch in train mode (timm's BatchNormAct2d
-# is a BatchNorm2d); `model.bn: freeze` turns them into FrozenBatchNorm2d, which is none of these.
-BATCH_STATISTICS_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+def set_bn_momentum(model: nn.Module, momentum: float | None) -> None:
+    """`model.bn_momentum`: the running-statistics momentum of every BatchNorm (None: the model's)."""
+    from .freezing import BATCH_STATISTICS_NORMS
+
+    if momentum is not None:
+        for m in model.modules():
+            if isinstance(m, BATCH_STATISTICS_NORMS):
+                m.momentum = momentum
 
 
-def min_micro_batch(model: nn.Module) -> int:
-    """The fewest samples one training forward of `model` can take: 2 with train-mode BatchNorm
-    (one sample has no batch statistics: torch refuses it where a feature map is 1x1, and its
-    statistics are noise everywhere else), else 1."""
-    return 2 if any(isinstance(m, BATCH_STATISTICS_NORMS) for m in model.modules()) else 1
+def sync_batchnorm(model: nn.Module) -> nn.Module:
+    """`model.bn: sync`: every BatchNorm computes its statistics over the micro-batches of all
+    processes (timm's conversion: it keeps BatchNormAct2d's activation, torch's would drop it).
+    Frozen norms stay as they are: they use no batch statistics."""
+    from timm.layers import convert_sync_batchnorm
 
+    from .freezing import holds_statistics
 
-def freeze_parameters(model: nn.Module, prefixes: list[str]) -> int:
-    names = [n for n, _ in model.named_parameters()]
-    modules = {n for n, _ in model.named_modules()}
-    frozen = 0
-    for prefix in prefixes:
-        hits = [n for n in names if n == prefix or n.startswith(prefix + ".")]
-        if not hits and prefix not in modules:  # a module without parameters (frozen BN) is fine
-            tops = sorted({n.split(".")[0] for n in modules if n})
-            raise VramfitError(f"model.freeze names `{prefix}`, which matches no parameter.",
-                               hint=f"top-level modules of this model: {', '.join(tops)}")
-        for n, p in model.named_parameters():
-            if n in hits:
-                p.requires_grad_(False)
-                frozen += 1
-    return frozen
+    held = {name for name, m in model.named_modules() if holds_statistics(m)}
+    converted = convert_sync_batchnorm(model)
+    if held:
+        from .freezing import freeze
+
+        freeze(converted, sorted(held))  # conversion makes new modules: hold them again
+    return converted
 
 
 def data_config(model: nn.Module, image_size: int, crop_pct: float | None = None) -> dict:

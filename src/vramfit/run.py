@@ -30,6 +30,7 @@ def _train(cfg: Config) -> tuple[int, dict]:
     # ---------------------------------------------------------------- launch
     paths = RunPaths.of(cfg, precision.here(cfg).name)
     L = launch.start(cfg, paths.dir)
+    setup.preflight(cfg, L)  # settings the model or the launch cannot take, before any data loads
 
     with setup.claimed(cfg, L, paths):  # --output writable, the run folder locked for this run
         # ---------------------------------------------------------------- resume decision

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .engine import TrainStep
     from .faults import Faults
     from .launch import Launch
+    from .phases import Phase
     from .validation import EvalState
 
 log = logging.getLogger("vramfit")
@@ -62,6 +63,9 @@ class Plan:
     estimate: dict | None = None  # planner.MemoryEstimate.as_dict()
     probe: dict = field(default_factory=dict)  # `auto` on a GPU: what the probe found
     notes: list[str] = field(default_factory=list)  # said at start
+    phase: str = "all"  # the phase it is for (phases.Phase.name)
+    trainable_params: int = 0  # in that phase
+    min_micro_batch: int = 1  # freezing.min_micro_batch in that phase: the floor of its OOM retry
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -70,7 +74,8 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {"requested_micro_batch": self.requested_micro_batch, **self.micro.as_dict(), **self.probe,
-                "num_processes": self.num_processes, "precision": self.precision,
+                "num_processes": self.num_processes, "precision": self.precision, "phase": self.phase,
+                "trainable_params": self.trainable_params,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 **({"estimate": self.estimate} if self.estimate is not None else {}), "notes": self.notes}
 
@@ -89,14 +94,20 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: object  # timm CosineLRScheduler, stepped per optimizer step
     ema: object  # timm ModelEmaV3 or None
-    plan: Plan
+    plan: Plan  # the plan of the phase the run starts in
     state: TrainerState
     step: TrainStep
     seconds_per_sample: float | None  # measured on a CPU for `data.num_workers: auto`
+    phases: list[Phase]
+    plans: list[Plan]  # one per phase
+    notes: list[str]  # said at start: the optimizer's groups, BatchNorm at small micro-batches
 
     @property
     def micro(self) -> batching.MicroBatch:
         return self.plan.micro
+
+    def phase_plan(self, phase: Phase) -> Plan:
+        return self.plans[self.phases.index(phase)]
 
     def plan_text(self) -> str | None:
         """The memory plan as `vramfit plan` prints it, for the out-of-memory error."""
@@ -147,24 +158,79 @@ def build(cfg: Config, L: Launch, paths: RunPaths, start: Start | None = None) -
 
 def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epoch: int,
                    start: Start | None = None) -> Training:
-    """The model, optimizer, schedule, EMA, micro-batch plan, state and step, without any data (the
-    benches feed it synthetic batches)."""
+    """The model, optimizer, schedule, EMA, a micro-batch plan per phase, state and step, without
+    any data (the benches feed it synthetic batches)."""
     from .engine import TrainStep, step_maths
-    from .models import min_micro_batch
+    from .phases import enter, phase_at, phases_of
 
     start = start or Start()
     model, data_cfg = build_model(cfg, L, len(class_names))
-    model, optimizer, scheduler, ema = prepare_training(cfg, L, model, steps_per_epoch)
-    smallest = min_micro_batch(L.acc.unwrap_model(model))  # the plan's floor and the OOM retry's
-    plan = choose_micro_batch(cfg, L, len(class_names), model, start.point, smallest)
+    with agreed("naming the model's head", L.acc.device):
+        phases = phases_of(cfg, model)
+    model, optimizer, scheduler, ema = prepare_training(cfg, L, model, steps_per_epoch, phases)
+    plans = plan_phases(cfg, L, len(class_names), model, phases, start.point)
+    current = phase_at(phases, start.point.state.epoch if start.point else 0)
+    enter(L.acc.unwrap_model(model), current, phases[-1])
+    plan = plans[phases.index(current)]
     seconds = cpu_seconds_per_sample(cfg, L, model, plan.micro)
     model = compile_model(cfg, L, model)
     state = restore_state(cfg, L, start, plan.micro, class_names, model, scheduler, ema)
     step = TrainStep(L.acc, model, optimizer, plan.micro.size, maths=step_maths(cfg.train),
                      check_grad_norm=not L.precision.scales_loss, oom_retries=state.oom_retries,
-                     recomputes=cfg.model.grad_checkpointing, min_micro_batch=smallest)
+                     recomputes=cfg.model.grad_checkpointing, min_micro_batch=plan.min_micro_batch)
+    notes = training_notes(cfg, L, len(class_names), optimizer, plans)
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
-                    state, step, seconds)
+                    state, step, seconds, phases, plans, notes)
+
+
+def plan_phases(cfg: Config, L: Launch, num_classes: int, model, phases: list[Phase], point) -> list[Plan]:
+    """A micro-batch plan for each phase, made with the model training what that phase trains (the
+    head-only phase has no gradients or optimizer state for the rest: a larger micro-batch fits).
+    The global batch, and so the maths of a step, is the same in every phase. A checkpoint's
+    reduced micro-batch applies to the phase it was saved in. Leaves the model in the last phase."""
+    from .freezing import min_micro_batch, trainable_parameters
+    from .phases import enter
+
+    module, plans, previous = L.acc.unwrap_model(model), [], None
+    for phase in phases:
+        enter(module, phase, previous)
+        previous = phase
+        smallest = min_micro_batch(module)  # the plan's floor and the OOM retry's
+        saved_here = point if point is not None and point.state.phase == phase.name else None
+        plan = choose_micro_batch(phase.config(cfg), L, num_classes, model, saved_here, smallest)
+        plan.phase, plan.trainable_params, plan.min_micro_batch = phase.name, trainable_parameters(module), smallest
+        plans.append(plan)
+    return plans
+
+
+def training_notes(cfg: Config, L: Launch, num_classes: int, optimizer, plans: list[Plan]) -> list[str]:
+    """Said at start: the LR scaling and layer-decay groups, the phases and their micro-batches,
+    BatchNorm at small micro-batches."""
+    from .optim import lr_range_note, scaled_lr
+    from .planner.advice import small_batch_norm_note
+
+    notes = [n for n in (scaled_lr(cfg.optim, cfg.train.global_batch)[1], lr_range_note(optimizer, cfg.optim)) if n]
+    if len(plans) > 1:
+        notes.append("staged fine-tuning: " + "; then ".join(phase_line(cfg, p) for p in plans))
+    last = plans[-1]
+    if cfg.model.bn != "freeze" and last.min_micro_batch > 1:  # BatchNorm normalises by the batch
+        from .planner import budget_bytes_for
+
+        total = torch.cuda.get_device_properties(L.acc.device).total_memory if L.device_type == "cuda" else None
+        note = small_batch_norm_note(cfg, num_classes, last.micro.size, last.micro.per_process_batch, L.world,
+                                     sync=cfg.model.bn == "sync" and L.world > 1 and L.device_type == "cuda",
+                                     precision=L.precision.accelerate, budget_bytes=budget_bytes_for(cfg, total_bytes=total))
+        if note:
+            notes.append(note)
+    return notes
+
+
+def phase_line(cfg: Config, plan: Plan) -> str:
+    """One phase's plan in a line (at start, and when the phase begins)."""
+    what = "the classifier head only" if plan.phase == "head" else "the whole network" + (
+        " less model.freeze" if cfg.model.freeze else "")
+    peak = f", predicted peak {plan.predicted_peak_bytes / 2**30:.2f} GiB" if plan.predicted_peak_bytes else ""
+    return f"{what} ({plan.trainable_params:,} parameters), micro-batch {plan.micro.size}{peak}"
 
 
 @contextlib.contextmanager
@@ -179,6 +245,33 @@ def claimed(cfg: Config, L: Launch, paths: RunPaths):
                 check_writable(Path(cfg.output))
                 stack.enter_context(locked(paths))
         yield
+
+
+def preflight(cfg: Config, L: Launch) -> None:
+    """What the settings refuse, said before any data is loaded or weights are fetched: BatchNorm
+    sync or staged fine-tuning under FSDP, and a `model.freeze` / staged fine-tuning the model
+    cannot take (its names checked on a weightless copy). Every process refuses alike."""
+    from accelerate.utils import DistributedType
+
+    fsdp = L.acc.distributed_type == DistributedType.FSDP or os.environ.get(
+        "ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    if fsdp and cfg.model.bn == "sync":
+        raise VramfitError("model.bn: sync cannot run under FSDP (each process holds a shard of the model, and "
+                           "the step runs no collective inside a forward).",
+                           hint="use --set model.bn=freeze (or train) with FSDP, or launch plain data parallel "
+                                "(without the FSDP config) to synchronise BatchNorm")
+    if fsdp and cfg.train.freeze_epochs:
+        raise VramfitError("train.freeze_epochs cannot run under FSDP: its flat parameter shards cannot change "
+                           "what trains in the middle of a run.",
+                           hint="freeze stages for the whole run with --set model.freeze=[...], or launch plain "
+                                "data parallel (without the FSDP config) for staged fine-tuning")
+    if (cfg.train.freeze_epochs or cfg.model.freeze) and not cfg.model.name.startswith("hf-hub:"):
+        from .models import create_model
+        from .phases import phases_of
+
+        with torch.device("meta"):
+            model = create_model(cfg.model, 2, load_weights=False, image_size=cfg.data.image_size)
+        phases_of(cfg, model)
 
 
 def find_start(cfg: Config, L: Launch, paths: RunPaths) -> Start:
@@ -263,10 +356,27 @@ def build_model(cfg: Config, L: Launch, num_classes: int) -> tuple[torch.nn.Modu
     with agreed("building the model", L.acc.device):
         model = create_model(cfg.model, num_classes, image_size=cfg.data.image_size)
         data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
+    if cfg.model.bn == "sync":
+        model = sync_norms(model, L)
     return model, data_cfg
 
 
-def prepare_training(cfg: Config, L: Launch, model, steps_per_epoch: int):
+def sync_norms(model, L: Launch):
+    """`model.bn: sync` on several GPU processes: SyncBatchNorm (before the optimizer is built: the
+    conversion keeps the parameters). Said at start where it changes nothing."""
+    from .models import sync_batchnorm
+
+    if L.world > 1 and L.device_type == "cuda":
+        L.notes.append(f"BatchNorm: synchronised over the {L.world} processes (statistics of the whole "
+                       "per-step micro-batch group, one all-gather per BatchNorm layer and micro-batch)")
+        return sync_batchnorm(model)
+    L.notes.append("BatchNorm: bn: sync changes nothing here (" + (
+        "one process: its statistics are already the whole micro-batch's)" if L.world == 1 else
+        "torch's SyncBatchNorm runs on GPUs only: each CPU process normalises its own micro-batch)"))
+    return model
+
+
+def prepare_training(cfg: Config, L: Launch, model, steps_per_epoch: int, phases: list[Phase]):
     """Optimizer, schedule, EMA; the model on the device. Gradients are summed by the step's own
     reducer (engine.TrainStep), so the model is not wrapped in DDP (whose buckets would hold a
     second gradient copy for nothing): the starting weights are broadcast once instead. FSDP
@@ -274,11 +384,15 @@ def prepare_training(cfg: Config, L: Launch, model, steps_per_epoch: int):
     from accelerate.utils import DistributedType
 
     from .optim import create_optimizer, create_scheduler
+    from .phases import unfreeze_step
 
+    # Over every parameter any phase trains (a phase's frozen ones get no gradient: no update, no
+    # optimizer state), so the head's optimizer state carries over the unfreeze.
     optimizer = create_optimizer(model, cfg.optim, cfg.train.global_batch)  # LR scaled to the batch
     # The scheduler is neither prepared (Accelerate would step it once per process) nor saved: the
     # LR is a pure function of the global step, restored by `step_update` on resume.
-    scheduler = create_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs, cfg.train.global_batch)
+    scheduler = create_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs, cfg.train.global_batch,
+                                 unfreeze_step=unfreeze_step(phases, steps_per_epoch))
     if L.acc.distributed_type == DistributedType.FSDP:
         model, optimizer = L.acc.prepare(model, optimizer)
     else:
@@ -296,7 +410,7 @@ def prepare_training(cfg: Config, L: Launch, model, steps_per_epoch: int):
 def choose_micro_batch(cfg: Config, L: Launch, num_classes: int, model, point, smallest: int = 1) -> Plan:
     """The one micro-batch rule (batching.resolve_micro_batch): configured, whole share, `auto`
     (planner, then a probe on the device: memory.auto_pick), or where an interrupted run had come
-    down to, never below `smallest` (models.min_micro_batch). Returns it in the plan (plan.json)
+    down to, never below `smallest` (freezing.min_micro_batch). Returns it in the plan (plan.json)
     with the lines to say at start about it."""
     from .memory import auto_pick
 
@@ -314,12 +428,11 @@ def choose_micro_batch(cfg: Config, L: Launch, num_classes: int, model, point, s
 
 
 def fit_notes(cfg: Config, L: Launch, num_classes: int, mb: batching.MicroBatch, peak: int | None) -> list[str]:
-    """Said at start: the LR scaling, the auto pick and its predicted peak, and a fixed micro-batch
-    the planner predicts will not fit the card (with the one that does)."""
-    from .optim import scaled_lr
+    """Said at start: the auto pick and its predicted peak, and a fixed micro-batch the planner
+    predicts will not fit the card (with the one that does)."""
     from .planner import budget_bytes_for, pick_micro_batch
 
-    notes = [n for n in (scaled_lr(cfg.optim, cfg.train.global_batch)[1], mb.note) if n]
+    notes = [mb.note] if mb.note else []
     if L.device_type != "cuda" or peak is None:  # without a card there is nothing to fit
         return notes
     budget = budget_bytes_for(cfg, total_bytes=torch.cuda.get_device_properties(L.acc.device).total_memory)
@@ -419,6 +532,8 @@ def write_run_folder(run: Run) -> None:
     cfg, L, paths = run.cfg, run.launch, run.paths
     env = environment(L.acc)
     plan = run.plan.as_dict()
+    if len(run.plans) > 1:  # staged fine-tuning: every phase's plan
+        plan["phases"] = [p.as_dict() for p in run.plans]
     with agreed("writing the run folder", L.acc.device):
         if L.main:
             try:

@@ -27,6 +27,7 @@ class TrainerState:
     bad_files: dict[str, int] = field(default_factory=dict)
     skipped_steps: int = 0  # fp16 GradScaler skipped the update
     micro_batch: int = 0  # where the run was at the checkpoint (after any out-of-memory reductions)
+    phase: str = "all"  # the phase that micro-batch belongs to (phases.Phase.name)
     class_names: list[str] = field(default_factory=list)
     world_size: int | None = None  # the processes that wrote it (None: a checkpoint that did not say)
     global_batch: int = 0
@@ -38,7 +39,7 @@ class TrainerState:
     wall_seconds: float = 0.0
 
     # What resume must not take from the checkpoint: it belongs to the new launch.
-    LAUNCH_FIELDS = ("micro_batch", "world_size")
+    LAUNCH_FIELDS = ("micro_batch", "phase", "world_size")
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -32,9 +32,17 @@ def build(run, clock) -> dict:
         "wall_seconds": clock.wall_seconds, "finished": state.finished,
         "unreadable_files": sorted(state.bad_files),
         "num_classes": len(class_names), "class_names": class_names, "empty_classes": run.splits.empty_classes,
+        "phases": phases(run),
     }
     # Every reader of summary.json expects JSON: no NaN or infinity, ever.
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+
+
+def phases(run) -> list[dict]:
+    """What trained when: one entry per phase (phases.Phase), with its plan."""
+    return [{"name": p.name, "first_epoch": p.first_epoch + 1, "epochs": p.epochs,
+             "trainable_params": plan.trainable_params, "micro_batch": plan.micro.size,
+             "predicted_peak_bytes": plan.predicted_peak_bytes} for p, plan in zip(run.phases, run.plans)]
 
 
 def say_start(run) -> None:
@@ -42,7 +50,7 @@ def say_start(run) -> None:
     L, splits, micro, loaders, point = run.launch, run.splits, run.micro, run.loaders, run.start.point
     if not L.main:
         return
-    notes = [*splits.notes, *L.notes, *run.start.notes, *run.plan.notes]
+    notes = [*splits.notes, *L.notes, *run.start.notes, *run.notes, *run.plan.notes]
     log.info("vramfit: %s | %s | %d classes, %d train / %d val images%s", run.paths.name, splits.description,
              len(splits.class_names), len(splits.train), len(splits.val), "".join(f"\n  note: {n}" for n in notes))
     log.info("batch: global %d = micro %d x accum %d x %d process(es) | precision %s | device %s | "

@@ -163,3 +163,52 @@ def advise(cfg: Config, num_classes: int, per_process_batch: int, budget_bytes: 
     out.sort(key=lambda o: (o["cost"], -o["micro_batch"]))
     return out
 
+
+
+# Below this many images per normalisation group, BatchNorm's batch statistics get noisy enough to
+# cost accuracy (Wu & He 2018, "Group Normalization", Fig. 1: ResNet-50's error rises below 16
+# images per GPU and sharply below 8).
+SMALL_BN_GROUP = 16
+
+
+def small_batch_norm_note(cfg: Config, num_classes: int, micro: int, per_process: int, world: int, *,
+                          sync: bool, precision: str | None = None, budget_bytes: int | None = None) -> str | None:
+    """Said at start when train-mode BatchNorm normalises groups smaller than SMALL_BN_GROUP: the
+    choices, each with its cost from the plan (the largest micro-batch that fits with gradient
+    checkpointing on a known card, else the predicted peak at SMALL_BN_GROUP)."""
+    group = micro * world if sync else micro
+    if group >= SMALL_BN_GROUP:
+        return None
+    choices = [f"--set model.bn=freeze (the pretrained statistics stay fixed; {_peak(cfg, num_classes, micro, per_process, precision, {'model.bn': 'freeze'})})"]
+    if per_process > micro and not cfg.model.grad_checkpointing:
+        choices.append(_checkpointing_choice(cfg, num_classes, per_process, precision, budget_bytes))
+    if not sync:
+        choices.append(f"--set model.bn=sync on {'these ' + str(world) if world > 1 else 'several'} GPU processes "
+                       f"(statistics over {micro} x processes images; one all-gather per BatchNorm layer)")
+    return (f"BatchNorm normalises groups of {group} image(s) (micro-batch {micro}{' x ' + str(world) + ' processes' if sync else ''}): "
+            f"below {SMALL_BN_GROUP} its batch statistics are noisy; choices: " + "; ".join(choices))
+
+
+def _peak(cfg: Config, num_classes: int, micro: int, per_process: int, precision: str | None, sets: dict) -> str:
+    try:
+        est = estimate(config_with(cfg, sets), num_classes, micro, precision, per_process_batch=per_process)
+    except Exception:  # noqa: BLE001 - a variant the tracer cannot follow: named without its figure
+        return "its memory could not be planned"
+    return f"predicted peak {est.peak_bytes / GiB:.2f} GiB at micro-batch {micro}"
+
+
+def _checkpointing_choice(cfg: Config, num_classes: int, per_process: int, precision: str | None,
+                          budget_bytes: int | None) -> str:
+    sets = {"model.grad_checkpointing": True}
+    if budget_bytes is not None:
+        try:
+            pick, _ = pick_micro_batch(config_with(cfg, sets), num_classes, per_process, budget_bytes,
+                                       precision=precision)
+        except Exception:  # noqa: BLE001
+            pick = None
+        if pick:
+            return (f"--grad-checkpointing --micro-batch {pick} (fits this card with the margin; the forward "
+                    "runs twice: ~20-30% slower)")
+    target = min(per_process, SMALL_BN_GROUP)
+    return (f"--grad-checkpointing --micro-batch {target} ({_peak(cfg, num_classes, target, per_process, precision, sets)}; "
+            "the forward runs twice: ~20-30% slower)")

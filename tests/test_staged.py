@@ -1,0 +1,232 @@
+"""Freezing that holds (weights and BatchNorm statistics), staged fine-tuning (head first, then the
+whole network, its optimizer state carried over), per-layer LRs from timm, BatchNorm options."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import timm
+import torch
+from helpers import tiny_args
+from safetensors.torch import load_file, save_file
+
+from vramfit import freezing
+from vramfit.config import Config, ModelConfig, OptimConfig
+from vramfit.models import create_model
+
+STEPS = 10  # 160 training images / global batch 16
+
+
+def small_args(*extra):
+    """tiny_args on 160 images (10 steps per epoch), micro-batch 4, from a local weight file."""
+    return tiny_args("--set", "data.limit_train_samples=160", "--set", "data.limit_val_samples=40",
+                     "--micro-batch", "4", *extra)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A test_resnet weight file that is not a fresh init (its BatchNorm statistics moved)."""
+    torch.manual_seed(123)
+    model = timm.create_model("test_resnet", num_classes=10)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(8, 3, 32, 32))
+    path = tmp_path_factory.mktemp("weights") / "test_resnet.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+def _weights(run_dir, step):
+    return load_file(str(run_dir / "checkpoints" / f"step-{step}" / "model.safetensors"))
+
+
+def _under(key, prefixes):
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def test_frozen_stages_keep_their_weights_and_statistics(train_cli, pretrained):
+    frozen = ["conv1", "bn1", "layer1"]
+    run_dir, code = train_cli(*small_args("--set", f"model.pretrained_path={pretrained}",
+                                          "--set", "model.freeze=[conv1,bn1,layer1]"))
+    assert code == 0
+    start, end = load_file(str(pretrained)), _weights(run_dir, STEPS)
+    kept = [k for k in end if _under(k, frozen)]
+    assert any("running_mean" in k for k in kept) and any("num_batches_tracked" in k for k in kept)
+    assert all(torch.equal(end[k], start[k]) for k in kept)
+    later = [k for k in end if k.startswith("layer2.") and k in start]
+    assert any("running_var" in k and not torch.equal(end[k], start[k]) for k in later)
+    assert any(k.endswith("conv1.weight") and not torch.equal(end[k], start[k]) for k in later)
+
+
+@pytest.fixture(scope="module")
+def staged_args(pretrained):
+    return small_args("--epochs", "2", "--set", "train.freeze_epochs=1", "--set", "train.log_every_steps=1",
+                      "--set", f"model.pretrained_path={pretrained}", "--set", "optim.layer_decay=0.7")
+
+
+@pytest.fixture(scope="module")
+def staged_ref(staged_args, tmp_path_factory):
+    from vramfit.cli import run
+
+    out = tmp_path_factory.mktemp("staged")
+    assert run(["train", "--output", str(out), "--run-name", "ref", *staged_args]) == 0
+    return out / "ref"
+
+
+def test_staged_fine_tuning_trains_the_head_then_everything(staged_ref, pretrained):
+    start = load_file(str(pretrained))
+    first, second = _weights(staged_ref, STEPS), _weights(staged_ref, 2 * STEPS)
+    body = [k for k in first if not k.startswith("fc.")]
+    assert all(torch.equal(first[k], start[k]) for k in body)  # epoch 1: only the head trained
+    assert not torch.equal(first["fc.weight"], second["fc.weight"])
+    assert any(not torch.equal(second[k], start[k]) for k in body if "running" in k)  # statistics move again
+    assert any(not torch.equal(second[k], start[k]) for k in body if k.endswith("conv1.weight"))
+    # The head's optimizer state continues over the unfreeze; the rest starts at the unfreeze.
+    opt = torch.load(staged_ref / "checkpoints" / f"step-{2 * STEPS}" / "optimizer.bin", weights_only=False)
+    steps = {part: {float(opt["state"][i]["step"]) for g in opt["param_groups"] if g["part"] == part
+                    for i in g["params"]} for part in ("head", "body")}
+    assert steps == {"head": {2.0 * STEPS}, "body": {float(STEPS)}}
+    summary = json.loads((staged_ref / "summary.json").read_text())
+    head, whole = summary["phases"]
+    assert (head["name"], head["epochs"], whole["name"], whole["first_epoch"]) == ("head", 1, "all", 2)
+    assert head["trainable_params"] == 96 * 10 + 10 < whole["trainable_params"]  # test_resnet: 96 features
+    assert head["predicted_peak_bytes"] < whole["predicted_peak_bytes"]
+
+
+@pytest.mark.parametrize("stop_at", [4, STEPS + 4], ids=["head-phase", "all-phase"])
+def test_staged_run_resumed_in_either_phase_is_bitwise_identical(train_cli, staged_args, staged_ref, stop_at):
+    cut, code = train_cli(*staged_args, "--set", f"debug.signal_at_step={stop_at}", run_name="cut")
+    assert code == 143
+    cut, code = train_cli(*staged_args, run_name="cut")
+    assert code == 0
+    a, b = _weights(staged_ref, 2 * STEPS), _weights(cut, 2 * STEPS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    ref_rows = [json.loads(line) for line in (staged_ref / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if r["kind"] == "train"] == [r["lr"] for r in ref_rows if r["kind"] == "train"]
+
+
+def test_layer_decay_gives_each_parameter_timms_lr():
+    from timm.optim import param_groups_layer_decay
+
+    from vramfit.optim import create_optimizer, create_scheduler
+
+    model = timm.create_model("resnet18", num_classes=4)
+    cfg = OptimConfig(lr=1e-3, layer_decay=0.6, warmup_epochs=0, schedule="constant")
+    opt = create_optimizer(model, cfg)
+    create_scheduler(opt, cfg, steps_per_epoch=5, epochs=2).step_update(0)
+    ours = {id(p): (g["lr"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
+    theirs = {id(p): (1e-3 * g["lr_scale"], g["weight_decay"])
+              for g in param_groups_layer_decay(model, weight_decay=cfg.weight_decay, layer_decay=0.6)
+              for p in g["params"]}
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k][0] == pytest.approx(theirs[k][0], rel=1e-12) and ours[k][1] == theirs[k][1] for k in ours)
+    assert len({round(lr, 12) for lr, _ in ours.values()}) > 3  # several layer groups
+    head = {id(p) for p in model.fc.parameters()}
+    assert all(ours[k][0] == pytest.approx(1e-3) for k in head)
+    assert {g["part"] for g in opt.param_groups if any(id(p) in head for p in g["params"])} == {"head"}
+
+
+def test_unfreeze_warmup_ramps_the_rest_and_not_the_head():
+    from vramfit.optim import Schedule, create_optimizer, create_scheduler, head_lr
+
+    model = timm.create_model("test_resnet", num_classes=4)
+    cfg = OptimConfig(lr=1e-2, warmup_epochs=0, schedule="constant", unfreeze_warmup_epochs=1.0)
+    opt = create_optimizer(model, cfg)
+    sched = create_scheduler(opt, cfg, steps_per_epoch=4, epochs=3, unfreeze_step=4)
+    assert isinstance(sched, Schedule)
+    body = [g for g in opt.param_groups if g["part"] == "body"]
+    seen = []
+    for step in range(10):
+        sched.step_update(step)
+        assert head_lr(opt) == pytest.approx(1e-2)
+        seen.append(body[0]["lr"])
+    assert seen[:4] == [pytest.approx(1e-2)] * 4  # frozen phase: no ramp (no gradient either)
+    assert seen[4:9] == [pytest.approx(1e-2 * k / 5) for k in range(1, 6)]
+    assert seen[9] == pytest.approx(1e-2)
+
+
+def test_a_frozen_batchnorm_stays_in_eval_mode_whatever_calls_train():
+    import copy
+
+    model = create_model(ModelConfig(name="test_resnet", freeze=["bn1", "layer1"]), 4, load_weights=False)
+    model.train()
+    assert not model.bn1.training and not model.layer1[0].bn1.training and model.layer2[0].bn1.training
+    assert not copy.deepcopy(model).bn1.training  # the EMA copy too
+    assert freezing.min_micro_batch(model) == 2  # layer2's BatchNorm still needs two samples
+    freezing.unfreeze(model, ["bn1", "layer1"])
+    model.train()
+    assert model.bn1.training and model.bn1.weight.requires_grad
+
+
+def test_freezing_saves_memory_in_the_plan():
+    from vramfit.planner import estimate
+    from vramfit.planner.advice import config_with
+
+    cfg = Config.model_validate({"model": {"name": "resnet18"}, "data": {"image_size": 64},
+                                 "train": {"global_batch": 16, "epochs": 2}})
+    whole = estimate(cfg, 10, 16, "no")
+    early = estimate(config_with(cfg, {"model.freeze": ["conv1", "bn1", "layer1", "layer2"]}), 10, 16, "no")
+    model = create_model(cfg.model, 10, load_weights=False)
+    head_only = estimate(config_with(cfg, {"model.freeze": freezing.body_prefixes(model, ["fc"])}), 10, 16, "no")
+    assert head_only.peak_bytes < early.peak_bytes < whole.peak_bytes
+
+
+def test_body_prefixes_cover_everything_but_the_head():
+    model = timm.create_model("convnext_atto", num_classes=3)
+    heads = freezing.classifier_names(model)
+    body = freezing.body_prefixes(model, heads)
+    assert heads == ["head.fc"] and "head.norm" in body and "stem" in body
+    left = [n for n, _ in model.named_parameters() if not _under(n, body)]
+    assert left and all(_under(n, heads) for n in left)
+
+
+def test_bn_momentum_and_sync_on_one_process(train_cli):
+    model = create_model(ModelConfig(name="test_resnet", bn_momentum=0.01), 4, load_weights=False)
+    assert {m.momentum for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)} == {0.01}
+    run_dir, code = train_cli(*small_args("--set", "model.bn=sync", "--micro-batch", "16"))
+    assert code == 0
+
+
+def test_small_micro_batches_with_train_batchnorm_get_the_choices(train_cli, caplog):
+    with caplog.at_level(logging.INFO, logger="vramfit"):
+        run_dir, code = train_cli(*small_args())
+    assert code == 0
+    err = caplog.text
+    assert "BatchNorm normalises groups of 4" in err and "model.bn=freeze" in err and "--grad-checkpointing" in err
+    assert "bn: sync changes nothing" not in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "train.freeze_epochs=1"], "fewer than train.epochs"),
+    (["--set", "optim.layer_decay=0"], "layer_decay"),
+    (["--set", "optim.layer_decay=1.5"], "layer_decay"),
+    (["--set", "train.freeze_epochs=1", "--epochs", "3", "--set", "model.freeze=[fc]"], "covers the classifier head"),
+    (["--set", "model.freeze=[layer9]"], "matches no module"),
+], ids=["freeze-epochs", "decay-0", "decay-big", "head-frozen", "typo"])
+def test_bad_staging_settings_exit_2_before_anything_starts(tmp_path, capsys, args, words):
+    run_dir, code = _main(tmp_path, *small_args(*args))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and not run_dir.exists()
+
+
+def _main(tmp_path, *args, run_name="t"):
+    """`vramfit train` in-process as the command line runs it: the exit code, the error printed."""
+    from vramfit.cli import main
+
+    out = tmp_path / "runs"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--output", str(out), "--run-name", run_name, *args])
+    return out / run_name, e.value.code
+
+
+def test_no_nameable_head_and_sync_under_fsdp_are_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(timm.models.resnet.ResNet, "get_classifier", lambda self: torch.nn.Identity())
+    run_dir, code = _main(tmp_path, *small_args("--epochs", "2", "--set", "train.freeze_epochs=1"))
+    assert code == 2 and "no classifier head timm can name" in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    run_dir, code = _main(tmp_path, *small_args("--set", "model.bn=sync"), run_name="fsdp")
+    assert code == 2 and "cannot run under FSDP" in capsys.readouterr().err and not run_dir.exists()
