@@ -265,3 +265,33 @@ def test_a_step_waits_for_the_device_twice_whatever_the_micro_batch_count(monkey
         step(x, y, 16)
         reads.on = False
         assert sorted(reads.seen) == ["__float__", "tolist"], (micro, reads.seen)
+
+
+@pytest.mark.parametrize("per_step", [True, False])
+def test_running_statistics_move_per_step_however_the_step_is_split(per_step):
+    """`model.bn_momentum_per: step`: four micro-batches of 8 with the same statistics leave BatchNorm's
+    running mean and variance where one forward of 32 leaves them (the momentum per forward is the
+    4th root); `micro_batch` updates them four times at the full momentum. The momentum is put
+    back for a step taken whole."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(3)
+    model = torch.nn.Sequential(bn, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 5))
+    chunk = torch.randn(8, 3, 6, 6) * 3 + 2
+    images, labels = chunk.repeat(4, 1, 1, 1), torch.randint(0, 5, (32,))
+    acc = Accelerator(cpu=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = acc.prepare(model, opt)
+    whole = copy.deepcopy(bn)
+    whole(images)  # one forward of the whole batch, momentum 0.1
+    step = TrainStep(acc, model, opt, 8, bn_momentum_per_step=per_step)
+    step(images, labels, 32)
+    assert torch.allclose(bn.running_mean, whole.running_mean, atol=1e-6) is per_step
+    # The variance each forward brings is unbiased over its own 8 samples (n - 1 = 7), so it is
+    # compared with one update by that variance.
+    chunk_var = chunk.transpose(0, 1).reshape(3, -1).var(dim=1, unbiased=True)
+    assert torch.allclose(bn.running_var, 0.9 + 0.1 * chunk_var, rtol=1e-5) is per_step
+    if per_step:
+        assert bn.momentum == pytest.approx(1 - 0.9 ** 0.25)
+        step.state.micro_batch = 32
+        step(images, labels, 32)
+        assert bn.momentum == 0.1

@@ -13,7 +13,8 @@ from .errors import VramfitError
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", metavar="NAME", help="a shipped recipe (see the list below), a path to a YAML "
                                                     "recipe, or `auto` (the one that fits this GPU)")
-    p.add_argument("--model", dest="model.name", metavar="NAME", help="any timm model name, e.g. efficientnet_b0")
+    p.add_argument("--model", dest="model.name", metavar="NAME", help="any timm model name, e.g. efficientnet_b0 (plan: several, comma-separated, "
+                        "compares them by memory)")
     p.add_argument("--data", dest="data.source", metavar="SOURCE",
                    help="`digits` (built in), an image folder, a saved dataset, parquet, or a Hub id")
     p.add_argument("--image-size", dest="data.image_size", type=bounded(int, 8, 2048), metavar="PX",
@@ -83,6 +84,7 @@ EXAMPLES = {  # each command's --help ends with these
     "plan": [
         'vramfit plan --recipe rtx3060                        # memory of the recipe on its card',
         'vramfit plan --recipe rtx3060 --model efficientnet_b0 --precision bf16 --json',
+        'vramfit plan --recipe rtx3060 --model resnet50,efficientnet_b0,resnet34   # backbones by memory',
         'vramfit plan --recipe multi_gpu_8x --num-processes 8 --memory-gib 80',
     ],
     "scan-data": [
@@ -263,6 +265,17 @@ def resolve_config(recipe: str | None = None, sets: list[str] | None = None, fla
     return build_config(recipe, sets, flags)
 
 
+def _model_list(value: str | None) -> list[str]:
+    """`--model a,b,c` (plan compares backbones): the names, in order, each once."""
+    if value is None or "," not in value:
+        return [value] if value else []
+    names = [n.strip() for n in value.split(",")]
+    if any(not n for n in names) or len(set(names)) != len(names):
+        raise VramfitError(f"--model {value!r}: give distinct model names separated by commas",
+                           hint="e.g. --model resnet50,efficientnet_b0,resnet34")
+    return names
+
+
 def run(argv: list[str]) -> int:
     ns = parser().parse_args(argv)
     if ns.command in ("train", "eval", "predict", "scan-data", "prepare", "lr-find", "doctor"):
@@ -275,6 +288,18 @@ def run(argv: list[str]) -> int:
     if ns.command == "plan":
         from .planner import run_plan
 
+        names = _model_list(getattr(ns, "model.name", None))
+        if len(names) > 1:
+            from .planner.lineup import run_lineup
+
+            cfgs = []
+            for name in names:
+                setattr(ns, "model.name", name)
+                cfgs.append(_config(ns))
+            classes = ns.num_classes or (10 if cfgs[0].data.source == "digits" else 1000)
+            run_lineup(cfgs, classes, num_processes=ns.num_processes or cfgs[0].hardware.gpus,
+                       memory_gib=ns.memory_gib, as_json=ns.json)
+            return 0
         cfg = _config(ns)
         classes = ns.num_classes or (10 if cfg.data.source == "digits" else 1000)
         run_plan(cfg, classes, num_processes=ns.num_processes or cfg.hardware.gpus, memory_gib=ns.memory_gib,

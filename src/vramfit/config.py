@@ -47,6 +47,10 @@ class ModelConfig(Section):
     bn: Literal["train", "freeze", "sync"] = "train"
     # Running-statistics momentum of every BatchNorm (None: the model's own, 0.1 in timm).
     bn_momentum: float | None = Field(None, gt=0.0, le=1.0)
+    # `step`: a step split into k micro-batches updates the running statistics with a k-th root
+    # momentum, so they move per step as with the whole batch in one forward
+    # (freezing.StatisticsHorizon); `micro_batch`: the momentum as set, once per forward.
+    bn_momentum_per: Literal["step", "micro_batch"] = "step"
     # Names (prefixes) of modules or parameters to freeze for the whole run, e.g. ["conv1", "bn1",
     # "layer1"]: not trained, and their BatchNorm keeps its statistics (eval mode).
     freeze: list[str] = Field(default_factory=list)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from . import batching
 from .collectives import GradReducer, ProcessFailed, Status, StepVote, world_size
 from .errors import VramfitError
+from .freezing import StatisticsHorizon
 
 
 @dataclass
@@ -156,7 +157,8 @@ class TrainStep:
 
     def __init__(self, accelerator, model, optimizer, micro_batch: int, *, label_smoothing: float = 0.0,
                  clip_grad_norm: float | None = None, check_grad_norm: bool = True, oom_retries: int = 0,
-                 recomputes: bool = False, maths: StepMaths | None = None, min_micro_batch: int = 1):
+                 recomputes: bool = False, maths: StepMaths | None = None, min_micro_batch: int = 1,
+                 bn_momentum_per_step: bool = False):
         self.acc, self.model, self.optimizer = accelerator, model, optimizer
         self.device = accelerator.device
         self.fsdp = is_fsdp(model)
@@ -170,6 +172,7 @@ class TrainStep:
         self.check_grad_norm = check_grad_norm
         self.min_micro_batch = min_micro_batch  # models.min_micro_batch: the OOM retry stops there
         self.recomputes = recomputes and any(True for _ in model.buffers())  # gradient checkpointing
+        self.horizon = StatisticsHorizon(model) if bn_momentum_per_step else None
         self.zero_loss = torch.zeros((), device=self.device)
         self.zero_hits = torch.zeros((), device=self.device, dtype=torch.int64)
 
@@ -194,6 +197,8 @@ class TrainStep:
         while True:
             count = batching.num_chunks(shares, self.state.micro_batch)
             bounds = batching.chunk_bounds(labels.shape[0], count)
+            if self.horizon:
+                self.horizon.per_step(count)
             retries_before = _alloc_retries(self.device)
             status, sums = self._attempt(images, labels, bounds, step_samples, stop_requested, maths)
             if status == Status.OK and _alloc_retries(self.device) > retries_before:
@@ -313,6 +318,8 @@ class TrainStep:
         honoured after the step, never between micro-batches, for the same reason."""
         count = batching.num_chunks(shares, self.state.micro_batch)
         bounds = batching.chunk_bounds(labels.shape[0], count) or [(0, 0)] * count
+        if self.horizon:
+            self.horizon.per_step(count)
         loss_sum, correct = self.zero_loss.clone(), self.zero_hits.clone()
         try:
             for k, (s, e) in enumerate(bounds):

@@ -135,3 +135,28 @@ def min_micro_batch(model: nn.Module) -> int:
 def batch_statistics_norms(model: nn.Module) -> list[nn.Module]:
     """The BatchNorm layers that follow the batches they see (not frozen)."""
     return [m for m in model.modules() if isinstance(m, BATCH_STATISTICS_NORMS) and not holds_statistics(m)]
+
+
+class StatisticsHorizon:
+    """`model.bn_momentum_per: step`: BatchNorm's running statistics move as far per optimizer step
+    as they would with the whole batch in one forward, however many micro-batches the step takes.
+
+    Each forward updates the running statistics once (`r <- (1 - m) r + m x`); a step split into k
+    micro-batches updates them k times, so with the same momentum they forget k times faster and
+    follow the noisier means of k smaller batches. Momentum `1 - (1 - m) ** (1 / k)` per forward
+    weighs the old statistics by `(1 - m)` per step, as one forward at the full batch does
+    (measured in bench/small_batch.py). torch and timm have no such setting: BatchNorm only knows
+    its own forward."""
+
+    def __init__(self, model: nn.Module):
+        self.norms = [(m, m.momentum) for m in model.modules()
+                      if isinstance(m, BATCH_STATISTICS_NORMS) and m.momentum is not None]
+        self.forwards = 1
+
+    def per_step(self, forwards: int) -> None:
+        """The step about to run takes `forwards` micro-batches on this process."""
+        forwards = max(1, forwards)
+        if forwards != self.forwards:
+            self.forwards = forwards
+            for m, base in self.norms:
+                m.momentum = base if forwards == 1 else 1 - (1 - base) ** (1 / forwards)

@@ -121,6 +121,7 @@ class Trainer:
         enter(self.L.acc.unwrap_model(self.model), phase, self.phase)
         plan = self.run.phase_plan(phase)
         self.step.retarget(plan.micro.size, plan.min_micro_batch)
+        self.progress.planned = plan.predicted_peak_bytes
         self.model.train()
         self.phase = phase
         if self.L.main:

@@ -177,7 +177,8 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
     state = restore_state(cfg, L, start, plan.micro, class_names, model, scheduler, ema)
     step = TrainStep(L.acc, model, optimizer, plan.micro.size, maths=step_maths(cfg.train),
                      check_grad_norm=not L.precision.scales_loss, oom_retries=state.oom_retries,
-                     recomputes=cfg.model.grad_checkpointing, min_micro_batch=plan.min_micro_batch)
+                     recomputes=cfg.model.grad_checkpointing, min_micro_batch=plan.min_micro_batch,
+                     bn_momentum_per_step=cfg.model.bn_momentum_per == "step")
     notes = training_notes(cfg, L, len(class_names), optimizer, plans)
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
                     state, step, seconds, phases, plans, notes)

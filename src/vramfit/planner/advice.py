@@ -179,7 +179,9 @@ def small_batch_norm_note(cfg: Config, num_classes: int, micro: int, per_process
     group = micro * world if sync else micro
     if group >= SMALL_BN_GROUP:
         return None
-    choices = [f"--set model.bn=freeze (the pretrained statistics stay fixed; {_peak(cfg, num_classes, micro, per_process, precision, {'model.bn': 'freeze'})})"]
+    kept = ("the pretrained statistics stay fixed" if cfg.model.pretrained or cfg.model.pretrained_path
+            else "the statistics stay at their initial values: useful only with pretrained weights")
+    choices = [f"--set model.bn=freeze ({kept}; {_peak(cfg, num_classes, micro, per_process, precision, {'model.bn': 'freeze'})})"]
     if per_process > micro and not cfg.model.grad_checkpointing:
         choices.append(_checkpointing_choice(cfg, num_classes, per_process, precision, budget_bytes))
     if not sync:

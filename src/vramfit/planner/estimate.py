@@ -53,6 +53,10 @@ CUDA_WORKSPACE_BYTES = 320 * MiB
 # request (fragmentation), segment rounding, and workspaces that grow with the batch. 5-25 % is
 # seen in CNN training; 15 % puts the default picks at or below the published ones.
 ALLOCATOR_OVERHEAD_FRACTION = 0.15
+# torch before 1.13 loaded every kernel of every CUDA library at start (no lazy loading): its
+# context is this much larger. The planner never runs on such a torch; bench/published.py needs it
+# to read the public rows measured with one.
+EAGER_LOADING_EXTRA_BYTES = 0
 # What PyTorch reports as the total memory of a card sold as N GB (the "total capacity" of its
 # out-of-memory message, `get_device_properties().total_memory`): the driver keeps the rest. Other
 # sizes: REPORTED_FRACTION of the size as sold (the lowest ratio of the larger cards above).
