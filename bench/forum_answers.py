@@ -3,7 +3,7 @@
 ResNet50 (and EfficientNet-B0) fine-tuning at 224 px with AdamW, 10 classes; "batch" is the number of
 images per forward/backward. Prints a markdown table of predicted peaks (what nvidia-smi would show)
 and the micro-batch the planner picks for a 512-image batch on a 12 GB card (11.75 GiB as reported,
-less the 10% safety margin).
+less the 5% safety margin).
 
     python bench/forum_answers.py
     python bench/forum_answers.py --measure     # + the validation forward measured on this CPU (~1 min)

@@ -3,7 +3,7 @@
     python bench/memory_check.py              # full check, one GPU, < 8 min on an H200
     python bench/memory_check.py --quick      # subset (~2 min)
     python bench/memory_check.py --dry-run    # no GPU needed: the planner's predictions only
-    python bench/memory_check.py --published  # no GPU needed: picks against published batch sizes
+    python bench/memory_check.py --published  # no GPU needed: every public fit / OOM pair (--fit: refit)
     python bench/memory_check.py --empty-cache  # what empty_cache() after every step costs (~1 min)
 
 Part 1 (accuracy): ResNet50, EfficientNet-B0, ResNet18 x {fp32, bf16, fp16} x grad checkpointing
@@ -18,11 +18,10 @@ Targets: median |error| <= 5 %, worst <= 10 %.
 Part 2 (picks): under a 12 GiB card (allocator capped with set_per_process_memory_fraction at
 12 GiB minus the measured context), for each model/precision the largest micro-batch that really
 fits (real steps, OOM caught, bisection to 2 %) vs the planner's largest micro-batch whose predicted
-peak fits 12 GiB x (1 - margin), for margin 0 and the default 0.1. Targets: the pick always fits, and is
->= 90 % of the true maximum. Picks are reported for margins 0, 0.05 and the default 0.1: with a
-10 % margin the pick is ~89 % of the maximum by construction (the margin is 10 % of the card, the
-activations are less than all of it), so the >= 90 % target applies at 0.05 and the "always fits"
-target at every margin the bench recommends.
+peak fits 12 GiB x (1 - margin). Targets: the pick always fits, and is >= 90 % of the true
+maximum. Picks are reported for margins 0, the default 0.05 and 0.1 (with a 10 % margin the pick is
+~89 % of the maximum by construction: the margin is 10 % of the card, the activations less than
+all of it).
 
 Also printed: measured max_memory_allocated vs the trace's allocated peak (the trace's own error,
 without the constants), and fitted values for the planner's named constants.
@@ -47,6 +46,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from vramfit import planner as P  # noqa: E402
 from vramfit.config import Config  # noqa: E402
@@ -58,11 +58,6 @@ MICROS = [32, 64, 128]
 IMAGE = 224
 CLASSES = 1000
 DEVICE = "cuda"
-
-
-# Published known-to-fit batch sizes for training ResNet50 at 224 px (SGD with momentum, no
-# accumulation): (card sold as GB, precision, batch). AMP on these cards (Turing, Volta) is fp16.
-PUBLISHED = [(8, "fp32", 64), (8, "fp16", 120), (16, "fp32", 152), (16, "fp16", 288)]
 
 
 def config(model: str, precision: str, ckpt: bool, micro: int, optim: str = "adamw") -> Config:
@@ -227,21 +222,6 @@ def true_max(model: str, precision: str, guess: int, known: dict[int, bool]) -> 
     return lo
 
 
-def published_table() -> str:
-    """The planner's largest batch (margin 0) and its default pick (the default safety margin) on
-    each card of PUBLISHED, next to the published batch: a markdown table (docs/memory.md)."""
-    margin = Config().hardware.safety_margin
-    rows = ["| card | reported total | precision | published | planner max (margin 0) | default pick "
-            f"(margin {margin:g}) |", "|---|---:|---|---:|---:|---:|"]
-    for gib, prec, batch in PUBLISHED:
-        total = P.reported_total_bytes(gib)
-        m0 = planner_max("resnet50", prec, total, hi=1024, optim="sgd")
-        m1 = planner_max("resnet50", prec, int(total * (1 - margin)), hi=1024, optim="sgd")
-        rows.append(f"| {gib} GB | {total / GiB:.2f} GiB | {prec} | {batch} | {m0} ({m0 / batch - 1:+.0%}) | "
-                    f"{m1} ({m1 / batch - 1:+.0%}) |")
-    return "\n".join(rows)
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -251,7 +231,9 @@ def main(argv=None) -> int:
                                                          "micro 32/64; picks for ResNet50 bf16 only")
     ap.add_argument("--dry-run", action="store_true", help="print the planner's predictions only (no GPU)")
     ap.add_argument("--published", action="store_true",
-                    help="print the planner's picks against published batch sizes (no GPU, ~15 s)")
+                    help="the planner against every public fit / OOM pair in bench/published_memory.csv "
+                         "(no GPU; bench/published.py)")
+    ap.add_argument("--fit", action="store_true", help="with --published: also fit the constants and the margin")
     ap.add_argument("--empty-cache", action="store_true",
                     help="only time steps with and without torch.cuda.empty_cache() after each (~1 min)")
     ap.add_argument("--cap-gib", type=float, default=12.0, help="card size for the pick check (default 12)")
@@ -260,7 +242,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.published:
-        print(published_table())
+        from published import report
+
+        print(report(fit_constants=args.fit)[0])
         return 0
 
     models, precs, ckpts, micros = MODELS, PRECISIONS, [False, True], MICROS
@@ -285,8 +269,8 @@ def main(argv=None) -> int:
     preds = {k: predict(*k) for k in grid}
     plan_seconds = time.perf_counter() - t
     cap = int(args.cap_gib * GiB)
-    margin = Config().hardware.safety_margin  # the default, 0.1
-    margins = sorted({0.0, 0.05, margin})
+    margin = Config().hardware.safety_margin  # the default, 0.05
+    margins = sorted({0.0, 0.05, 0.1, margin})
     picks = {(m, p): {f"margin_{g:g}": planner_max(m, p, int(cap * (1 - g))) for g in margins}
              for m, p in pick_cases}
     print(f"planner: {len(grid)} predictions + {len(pick_cases)} picks in {time.perf_counter() - t:.1f} s "
@@ -388,7 +372,7 @@ def main(argv=None) -> int:
             f"{k}: {v['pick']} ({'fits' if v['fits'] else 'OOM'}, {v['ratio_to_true_max']})" for k, v in row.items()
             if isinstance(v, dict)))
     torch.cuda.set_per_process_memory_fraction(1.0)
-    for g in margins:  # with a 10 % margin the pick is ~89 % of the maximum by construction
+    for g in margins:
         k = f"margin_{g:g}"
         summary[f"picks_all_fit_{k}"] = all(r[k]["fits"] for r in pick_rows) if pick_rows else None
         summary[f"picks_min_ratio_{k}"] = min((r[k]["ratio_to_true_max"] or 0) for r in pick_rows) if pick_rows else None

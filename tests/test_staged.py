@@ -93,6 +93,8 @@ def test_staged_fine_tuning_trains_the_head_then_everything(staged_ref, pretrain
     assert (head["name"], head["epochs"], whole["name"], whole["first_epoch"]) == ("head", 1, "all", 2)
     assert head["trainable_params"] == 96 * 10 + 10 < whole["trainable_params"]  # test_resnet: 96 features
     assert head["predicted_peak_bytes"] < whole["predicted_peak_bytes"]
+    assert 0 < head["predicted_reserved_bytes"] < whole["predicted_reserved_bytes"]
+    assert head["measured_peak_bytes"] is None and whole["measured_peak_bytes"] is None  # no GPU here
 
 
 @pytest.mark.parametrize("stop_at", [4, STEPS + 4], ids=["head-phase", "all-phase"])

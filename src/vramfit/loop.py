@@ -118,6 +118,9 @@ class Trainer:
         phase = phase_at(self.run.phases, epoch)
         if phase == self.phase:
             return
+        if self.L.device_type == "cuda":  # the phase that ends: its own measured peak
+            self.run.phase_peaks[self.phase.name] = torch.cuda.max_memory_reserved(self.L.acc.device)
+            torch.cuda.reset_peak_memory_stats(self.L.acc.device)
         enter(self.L.acc.unwrap_model(self.model), phase, self.phase)
         plan = self.run.phase_plan(phase)
         self.step.retarget(plan.micro.size, plan.min_micro_batch)

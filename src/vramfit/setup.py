@@ -101,6 +101,8 @@ class Training:
     phases: list[Phase]
     plans: list[Plan]  # one per phase
     notes: list[str]  # said at start: the optimizer's groups, BatchNorm at small micro-batches
+    # Measured device peak (max_memory_reserved) of each phase this launch finished, by name.
+    phase_peaks: dict[str, int]
 
     @property
     def micro(self) -> batching.MicroBatch:
@@ -181,7 +183,7 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
                      bn_momentum_per_step=cfg.model.bn_momentum_per == "step")
     notes = training_notes(cfg, L, len(class_names), optimizer, plans)
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
-                    state, step, seconds, phases, plans, notes)
+                    state, step, seconds, phases, plans, notes, phase_peaks={})
 
 
 def plan_phases(cfg: Config, L: Launch, num_classes: int, model, phases: list[Phase], point) -> list[Plan]:

@@ -15,7 +15,8 @@ def build(run, clock) -> dict:
     from .batching import grad_accum_steps
 
     L, state, step_state, class_names = run.launch, run.state, run.step.state, run.splits.class_names
-    peak = torch.cuda.max_memory_reserved(L.acc.device) if L.device_type == "cuda" else None
+    now = torch.cuda.max_memory_reserved(L.acc.device) if L.device_type == "cuda" else None
+    peak = max([now, *run.phase_peaks.values()]) if now is not None else None
     summary = {
         "run_name": run.paths.name, "best_accuracy": state.best_accuracy, "final_accuracy": state.final_accuracy,
         "epochs": state.epoch, "global_step": state.global_step, "global_batch": run.cfg.train.global_batch,
@@ -32,17 +33,24 @@ def build(run, clock) -> dict:
         "wall_seconds": clock.wall_seconds, "finished": state.finished,
         "unreadable_files": sorted(state.bad_files),
         "num_classes": len(class_names), "class_names": class_names, "empty_classes": run.splits.empty_classes,
-        "phases": phases(run),
+        "phases": phases(run, now),
     }
     # Every reader of summary.json expects JSON: no NaN or infinity, ever.
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
 
 
-def phases(run) -> list[dict]:
-    """What trained when: one entry per phase (phases.Phase), with its plan."""
+def phases(run, now: int | None = None) -> list[dict]:
+    """What trained when: one entry per phase (phases.Phase), with its plan and, on a GPU, its
+    measured peak (max_memory_reserved, as `predicted_reserved_bytes` plans it: no CUDA context);
+    None for a phase this launch did not run (it ran before a resume, or is still to come)."""
+    from .phases import phase_at
+
+    standing = phase_at(run.phases, run.state.epoch)
     return [{"name": p.name, "first_epoch": p.first_epoch + 1, "epochs": p.epochs,
              "trainable_params": plan.trainable_params, "micro_batch": plan.micro.size,
-             "predicted_peak_bytes": plan.predicted_peak_bytes} for p, plan in zip(run.phases, run.plans)]
+             "predicted_peak_bytes": plan.predicted_peak_bytes, "predicted_reserved_bytes": plan.reserved_bytes,
+             "measured_peak_bytes": run.phase_peaks.get(p.name, now if p is standing else None)}
+            for p, plan in zip(run.phases, run.plans)]
 
 
 def say_start(run) -> None:
