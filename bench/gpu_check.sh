@@ -12,7 +12,9 @@
 # data_throughput.txt (the loader against torchvision's, and the device stage's ms per batch);
 # empty_cache.txt (step time and memory with torch.cuda.empty_cache() after every step: docs/faq.md);
 # recipe_rtx3060.txt/.json (the rtx3060 recipe for one short epoch with the allocator capped at its
-# 12 GB card, stopped and resumed, then exported: the measured peak against the plan).
+# 12 GB card, stopped and resumed, then exported: the measured peak against the plan);
+# recipe_rtx3060_staged.txt/.json (the same with train.freeze_epochs=1 over two epochs: ResNet50 at
+# 224 px head-only, then whole, each phase's measured peak against its own plan).
 # Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,5 +53,8 @@ $PY bench/loader_memory.py --workers 0 2 2>&1 | tee "$OUT/loader_memory.txt"
 $PY bench/data_throughput.py --cases a --repeats 1 2>&1 | tee "$OUT/data_throughput.txt"
 $PY bench/memory_check.py --empty-cache 2>&1 | tee "$OUT/empty_cache.txt"
 OUT="$OUT" $PY bench/recipe_run.py --recipe rtx3060 2>"$OUT/recipe_rtx3060.log" | tee "$OUT/recipe_rtx3060.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+OUT="$OUT" $PY bench/recipe_run.py --recipe rtx3060 --staged --train-samples 512 \
+  2>"$OUT/recipe_rtx3060_staged.log" | tee "$OUT/recipe_rtx3060_staged.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit "$status"

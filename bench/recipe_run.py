@@ -2,6 +2,7 @@
 
     python bench/recipe_run.py --recipe rtx3060            # GPU; ~1 min on an H200
     python bench/recipe_run.py --recipe rtx3060 --dry-run  # any machine: the command it would run
+    python bench/recipe_run.py --recipe rtx3060 --staged   # + train.freeze_epochs=1 over 2 epochs
 
 The caching allocator is capped (torch.cuda.set_per_process_memory_fraction) at the recipe's card
 (`hardware.memory_gib`, as the card reports it), so a pick that does not fit a 12 GB RTX 3060 runs
@@ -9,7 +10,9 @@ out of memory here too. The recipe trains on the built-in digits at its own imag
 random weights (no download), its own micro-batch pick, precision, channels_last and augmentation:
 stopped after step 3 as SIGTERM would, resumed by the same command, then exported. Prints the
 planner's predicted peak against the measured device peak (summary.json's peak_memory_bytes, max_memory_reserved) and their ratio;
-writes $OUT/recipe_<name>.json ($OUT defaults to ./bench_out).
+writes $OUT/recipe_<name>.json ($OUT defaults to ./bench_out). With --staged the run trains the
+head alone for its first epoch, then everything for a second (a micro-batch plan per phase), and
+each phase's planned reserve is printed against its own measured peak (summary.json `phases`).
 """
 
 from __future__ import annotations
@@ -27,13 +30,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recipe", default="rtx3060")
     ap.add_argument("--train-samples", type=int, default=1024, help="one short epoch of this many images")
     ap.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    ap.add_argument("--staged", action="store_true",
+                    help="staged fine-tuning: head only for epoch 1, everything for epoch 2 (peaks per phase)")
     return ap.parse_args(argv)
 
 
-def train_args(recipe: str, samples: int, output: Path) -> list[str]:
-    return ["train", "--recipe", recipe, "--data", "digits", "--epochs", "1", "--output", str(output),
+def train_args(recipe: str, samples: int, output: Path, staged: bool = False) -> list[str]:
+    staging = ["--epochs", "2", "--set", "train.freeze_epochs=1"] if staged else ["--epochs", "1"]
+    return ["train", "--recipe", recipe, "--data", "digits", *staging, "--output", str(output),
             "--run-name", recipe, "--set", "model.pretrained=false",
             "--set", f"data.limit_train_samples={samples}", "--set", "data.limit_val_samples=256"]
+
+
+def phase_lines(summary: dict) -> list[str]:
+    """Each phase's planned allocator reserve against its measured peak (both without the context)."""
+    gib = 2**30
+    lines = []
+    for p in summary.get("phases") or []:
+        plan, seen = p.get("predicted_reserved_bytes"), p.get("measured_peak_bytes")
+        ratio = f" ({plan / seen:.3f}x)" if plan and seen else ""
+        lines.append(f"  phase {p['name']}: micro {p['micro_batch']}, {p['trainable_params']:,} trainable; planned "
+                     f"{(plan or 0) / gib:.2f} GiB, measured {(seen or 0) / gib:.2f} GiB{ratio}")
+    return lines
 
 
 def cap_allocator(recipe: str) -> int | None:
@@ -76,7 +94,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     runs = Path(tempfile.mkdtemp(prefix="vramfit-recipe-"))
-    argv_train = train_args(args.recipe, args.train_samples, runs)
+    argv_train = train_args(args.recipe, args.train_samples, runs, args.staged)
     if args.dry_run:
         print("vramfit " + " ".join(argv_train))
         return 0
@@ -95,15 +113,19 @@ def main(argv=None) -> int:
               **{k: summary.get(k) for k in ("micro_batch", "grad_accum_steps", "precision", "oom_retries",
                                              "images_per_second", "best_accuracy")},
               "predicted_peak_bytes": predicted, "measured_peak_bytes": peak,
-              "predicted_over_measured": predicted / peak if peak and predicted else None}
+              "predicted_over_measured": predicted / peak if peak and predicted else None,
+              "phases": summary.get("phases")}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"recipe_{args.recipe}.json").write_text(json.dumps(result, indent=1))
+    name = f"recipe_{args.recipe}{'_staged' if args.staged else ''}"
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
     gib = 2**30
     print(f"{args.recipe} on {result['device']} capped at {cap / gib if cap else float('nan'):.2f} GiB: exit {code}, "
           f"micro {result['micro_batch']} x accum {result['grad_accum_steps']}, {result['precision']}, "
           f"{result['oom_retries']} OOM retries, {result['images_per_second'] or 0:.0f} img/s; predicted peak "
           f"{(predicted or 0) / gib:.2f} GiB, measured {(peak or 0) / gib:.2f} GiB"
           + (f" ({result['predicted_over_measured']:.3f}x)" if result["predicted_over_measured"] else ""))
+    if args.staged:
+        print("\n".join(phase_lines(summary)))
     return 0 if stopped == 143 and code == 0 and exported == 0 else 1
 
 

@@ -17,14 +17,17 @@ def test_compare_plot_and_csv_of_two_real_runs(tmp_path, capsys):
                 "--sort", "best_accuracy"]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0].split()
-    assert {"accum", "ckpt", "to", "best"} <= set(header)
+    assert {"data", "model", "best", "img/s", "planned"} <= set(header) and "accum" not in header
+    assert max(len(line) for line in out.splitlines()) <= 120
     rows = {line.split()[0]: line for line in out.splitlines()[2:4]}
-    assert set(rows) == {"a", "b"}
+    assert set(rows) == {"a", "b"} and all(" digits " in line for line in rows.values())
+    assert cli(["compare", str(a.path), str(b.path), "--wide"]) == 0
+    assert {"accum", "ckpt", "to", "best", "data"} <= set(capsys.readouterr().out.splitlines()[0].split())
     with Image.open(png) as im:
         assert im.format == "PNG" and im.size[0] > 1200 and im.size[1] > 400
     with open(table, newline="") as f:
         got = {r["run"]: r for r in csv.DictReader(f)}
-    assert set(got) == {"a", "b"}
+    assert set(got) == {"a", "b"} and {r["data"] for r in got.values()} == {"digits"}
     assert got["b"]["grad_checkpointing"] == "True" and got["a"]["grad_checkpointing"] == "False"
     if b.real:
         assert got["b"]["grad_accum_steps"] == "2" and got["a"]["grad_accum_steps"] == "1"
@@ -78,3 +81,24 @@ def test_a_damaged_run_among_several_is_named_and_the_rest_compared(tmp_path, ca
         main(["compare", str(out / "cut")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "is damaged" in err and "HINT:" in err and "Traceback" not in err
+
+
+def test_the_default_table_fits_120_columns_with_long_run_names(tmp_path, capsys):
+    """Default run names are long (recipe, model, size, batch, precision, seed, what differs): the
+    table shortens them (the parts all share left out, then cut with an ellipsis) to fit 120
+    columns; --wide keeps them whole."""
+    import shutil
+
+    from vramfit.cli import run as cli
+
+    src = trained_run("a").path
+    names = [f"quickstart-resnet18-32px-gb64-fp32-s0-digits-lr{v}-with-a-long-tail-of-settings-that-differ"
+             for v in ("0.001", "0.002")]
+    for n in names:
+        shutil.copytree(src, tmp_path / n)
+    assert cli(["compare", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 120 and len(lines) == 4
+    assert {line.split()[0] for line in lines[2:]} == {"lr0.001", "lr0.002"}
+    assert cli(["compare", str(tmp_path), "--wide"]) == 0
+    assert {line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]} == set(names)

@@ -93,6 +93,7 @@ EXAMPLES = {  # each command's --help ends with these
     "compare": [
         'vramfit compare runs/                               # every run under runs/',
         'vramfit compare runs/a runs/b --plot compare.png --csv runs.csv',
+        'vramfit compare runs/ --wide                        # every column, full run names',
     ],
     "prepare": [
         'vramfit prepare --data ~/photos --output ~/photos-320   # resized once; train with --data ~/photos-320',
@@ -207,6 +208,8 @@ def parser() -> argparse.ArgumentParser:
     cm.add_argument("--json", action="store_true", help="print the runs as JSON")
     cm.add_argument("--plot", metavar="PNG", help="write accuracy vs wall time, peak memory and throughput")
     cm.add_argument("--csv", metavar="FILE", help="write the table as CSV (raw numbers)")
+    cm.add_argument("--wide", action="store_true",
+                    help="every column and full run names (the default table fits 120 columns)")
 
     _add_model_commands(sub)
 
@@ -313,7 +316,7 @@ def run(argv: list[str]) -> int:
     if ns.command == "compare":
         from .compare import compare
 
-        compare(ns.runs, ns.sort, ns.json, plot_path=ns.plot, csv_path=ns.csv)
+        compare(ns.runs, ns.sort, ns.json, plot_path=ns.plot, csv_path=ns.csv, wide=ns.wide)
         return 0
     if ns.command == "eval":
         from .evaluation import evaluate_run

@@ -13,13 +13,17 @@ from .errors import VramfitError, damaged_file
 from .runfolder import RunPaths
 
 # (header, summary.json key or a derived field); derived fields are filled in by `load_run`.
-COLUMNS = [("run", None), ("model", None), ("size", None), ("precision", "precision"),
+COLUMNS = [("run", None), ("data", None), ("model", None), ("size", None), ("precision", "precision"),
            ("batch g=m×a×p", None), ("accum", "grad_accum_steps"), ("ckpt", None),
            ("best acc", "best_accuracy"), ("final acc", "final_accuracy"), ("epochs", "epochs"),
            ("to best s", "seconds_to_best"), ("img/s", "images_per_second"),
            ("peak GiB", "peak_memory_bytes"), ("planned GiB", "predicted_peak_memory_bytes"),
            ("OOM retries", "oom_retries"), ("skipped", "skipped_samples"), ("wall s", "wall_seconds")]
-CSV_FIELDS = ["run", "path", "model", "image_size", "precision", "global_batch", "micro_batch",
+# What the default table shows, to fit TABLE_WIDTH columns (`--wide`: every column of COLUMNS).
+NARROW = ("run", "data", "model", "size", "precision", "batch g=m×a×p", "best acc", "img/s", "peak GiB",
+          "planned GiB", "wall s")
+TABLE_WIDTH = 120
+CSV_FIELDS = ["run", "path", "data", "model", "image_size", "precision", "global_batch", "micro_batch",
               "grad_accum_steps", "num_processes", "grad_checkpointing", "best_accuracy", "final_accuracy",
               "epochs", "seconds_to_best", "images_per_second", "peak_memory_bytes",
               "predicted_peak_memory_bytes", "oom_retries", "skipped_samples", "wall_seconds"]
@@ -74,6 +78,8 @@ def _cell(run: dict, name: str, key: str | None) -> str:
     s, c = run["summary"], run["config"]
     if name == "run":
         return run["label"]
+    if name == "data":
+        return data_name(c.get("data", {}).get("source"))
     if name == "model":
         return str(c.get("model", {}).get("name", "?"))
     if name == "size":
@@ -93,16 +99,43 @@ def _cell(run: dict, name: str, key: str | None) -> str:
     return str(v)
 
 
-def table(runs: list[dict]) -> str:
+def data_name(source) -> str:
+    """The data a run trained on, short: `digits`, a folder's or file's name, a Hub id's last part."""
+    if not source:
+        return "?"
+    text = str(source).rstrip("/")
+    return text.rsplit("/", 1)[-1] or text
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(1, width - 1)] + "…"
+
+
+def table(runs: list[dict], wide: bool = False) -> str:
+    """The runs as a text table: every column with `wide`; else the NARROW ones, labels and data
+    names shortened (the parts every run name shares left out, then cut) to fit TABLE_WIDTH."""
     from .tables import text_table
 
-    return text_table([[name for name, _ in COLUMNS]] + [[_cell(r, n, k) for n, k in COLUMNS] for r in runs])
+    if wide:
+        return text_table([[name for name, _ in COLUMNS]] + [[_cell(r, n, k) for n, k in COLUMNS] for r in runs])
+    cols = [(n, k) for n, k in COLUMNS if n in NARROW]
+    rows = [[_cell({**r, "label": r["short"]}, n, k) for n, k in cols] for r in runs]
+    data_col = [n for n, _ in cols].index("data")
+    for row in rows:
+        row[data_col] = _fit(row[data_col], 16)
+    text = text_table([[n for n, _ in cols]] + rows)
+    over = max(map(len, text.splitlines())) - TABLE_WIDTH
+    if over > 0:  # the run column gives up what is too much, down to 12 characters
+        keep = max(12, max(len(row[0]) for row in rows) - over)
+        text = text_table([[n for n, _ in cols]] + [[_fit(row[0], keep), *row[1:]] for row in rows])
+    return text
 
 
 def csv_row(run: dict) -> dict:
     s, c = run["summary"], run["config"]
     row = {k: s.get(k) for k in CSV_FIELDS}
-    row.update(run=run["label"], path=str(run["path"]), model=c.get("model", {}).get("name"),
+    row.update(run=run["label"], path=str(run["path"]), data=c.get("data", {}).get("source"),
+               model=c.get("model", {}).get("name"),
                image_size=c.get("data", {}).get("image_size"),
                grad_checkpointing=c.get("model", {}).get("grad_checkpointing"))
     return row
@@ -165,7 +198,7 @@ def find_runs(paths: list[str]) -> list[dict]:
 
 
 def compare(paths: list[str], sort: str = "best_accuracy", as_json: bool = False, out=None,
-            plot_path: str | None = None, csv_path: str | None = None) -> list[dict]:
+            plot_path: str | None = None, csv_path: str | None = None, wide: bool = False) -> list[dict]:
     out = out or sys.stdout
     runs = find_runs(paths)
     known = set().union(*(r["summary"] for r in runs))
@@ -177,7 +210,7 @@ def compare(paths: list[str], sort: str = "best_accuracy", as_json: bool = False
     if as_json:
         out.write(json.dumps([{"run": str(r["path"]), **r["summary"]} for r in runs], indent=1) + "\n")
     else:
-        out.write(table(runs) + "\n")
+        out.write(table(runs, wide) + "\n")
     if csv_path:
         write_csv(runs, Path(csv_path))
     if plot_path:
