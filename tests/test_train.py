@@ -27,14 +27,18 @@ QS_SHORT = ("--recipe", "quickstart", "--epochs", "2")
 
 
 def _launch_quickstart(out, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    """As the README's first command: `accelerate config default` (into a fresh HF_HOME), then
+    `accelerate launch train.py ...` with no flags, which then prints no warning about defaults."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HOME": str(out / "hf_home")}
+    accelerate = [sys.executable, "-c", "from accelerate.commands.accelerate_cli import main; main()"]
+    subprocess.run([*accelerate, "config", "default"], env=env, check=True, capture_output=True, timeout=120)
     t0 = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accel_configs" / "cpu.yaml"), str(REPO / "train.py"), *args,
-         "--output", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*accelerate, "launch", str(REPO / "train.py"), *args, "--output", str(out / "runs")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "had defaults used instead" not in proc.stderr, proc.stderr[:1500]
+    out = out / "runs"
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     return run_dir, elapsed, proc
 
@@ -217,5 +221,8 @@ def test_compare_lines_runs_up(quickstart, tmp_path, capsys):
     twin = tmp_path / "elsewhere" / run_dir.name  # the same run name under another output folder
     shutil.copytree(run_dir, twin, ignore=shutil.ignore_patterns("checkpoints", "model"))
     compare([str(run_dir), str(twin)])
+    text = capsys.readouterr().out  # the default table keeps what tells them apart
+    assert "elsewhere/" in text and f"{run_dir.parent.name}/" in text
+    compare([str(run_dir), str(twin)], wide=True)
     text = capsys.readouterr().out
     assert f"elsewhere/{run_dir.name}" in text and f"{run_dir.parent.name}/{run_dir.name}" in text
