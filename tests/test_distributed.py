@@ -277,3 +277,38 @@ def test_resuming_with_more_processes_than_the_checkpoint(folder, tmp_path):
     grown = _run(folder, tmp_path, "grow", 2, "--epochs", "2", "--set", "allow_resume_change=true")
     s = json.loads((grown / "summary.json").read_text())
     assert s["num_processes"] == 2 and s["global_step"] == 6 and s["finished"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machines_over_loopback_equal_two_processes_on_one(folder, tmp_path, micro_4):
+    """Two `torchrun` invocations with one process each and a c10d rendezvous on 127.0.0.1 (what
+    accel_configs/multi_node.yaml and scripts/slurm_multi_node.sbatch set up on two machines) write
+    one run folder and end with the weights of one torchrun with two processes."""
+    args = ["--data", str(folder), "--model", "test_resnet", "--image-size", "24",
+            "--global-batch", "16", "--epochs", "1", "--output", str(tmp_path), "--run-name", "nodes",
+            "--micro-batch", "4", "--set", "data.num_workers=0", "--set", "model.bn=freeze",
+            "--set", "data.crop_pct=1.0", "--set", "train.log_every_steps=1",
+            "--set", "data.color_jitter_on=device"]
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_id", "loopback",
+                               "--rdzv_endpoint", f"127.0.0.1:{port}", str(REPO / "train.py"), *args],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(err[-3000:] for _, err in outs)
+    summary = json.loads((tmp_path / "nodes" / "summary.json").read_text())
+    assert (summary["num_processes"], summary["micro_batch"], summary["grad_accum_steps"]) == (2, 4, 2)
+    assert _close(_final(tmp_path / "nodes"), _final(micro_4))
