@@ -98,12 +98,13 @@ def test_offline_wandb_run_holds_config_metrics_eval_views_and_summary(tracked):
     assert (config["train"]["precision"], config["train"]["requested_precision"]) == ("fp32", "auto")
     assert config["model"]["name"] == "test_resnet" and config["train"]["global_batch"] == 16
     assert config["plan"]["micro_batch"] == 16 and config["env"]["torch"] == torch.__version__
-    assert sorted(h["_step"] for h in _history(recs) if "loss" in h) == [1, 10]
+    assert sorted(h["_step"] for h in _history(recs) if "train/loss" in h) == [1, 10]
     recs = _records_by_type(second / f"run-{run_id}.wandb")
     history = _history(recs)
-    assert sorted(h["_step"] for h in history if "loss" in h) == [20, 30]
+    assert sorted(h["_step"] for h in history if "train/loss" in h) == [20, 30]
+    assert not any(k in h for h in history for k in ("loss", "accuracy", "val_accuracy"))  # grouped names only
     at_eval = {k for h in history if h.get("_step") == 30 for k in h}
-    assert {"val_accuracy", "val/mean_class_accuracy"} <= at_eval
+    assert {"val/accuracy", "val/top5", "val/loss", "val/mean_class_accuracy", "epoch/seconds"} <= at_eval
     assert any(k.startswith("val/per_class_accuracy") for k in at_eval)
     assert any(k.startswith("val/confusion_matrix") for k in at_eval)
     assert any(k.startswith("val/misclassified") for k in at_eval)
@@ -114,6 +115,8 @@ def test_offline_wandb_run_holds_config_metrics_eval_views_and_summary(tracked):
     summary = {"/".join(u.nested_key) or u.key: json.loads(u.value_json) for s in recs["summary"] for u in s.update}
     best = json.loads((run_dir / "summary.json").read_text())["best_accuracy"]
     assert summary["best_accuracy"] == pytest.approx(best) and summary["global_step"] == 30
+    # W&B's summary of the validation accuracy is its best (define_metric), not the last one.
+    assert summary["val/accuracy"] == {"max": pytest.approx(best)}
 
 
 def test_resumed_run_appends_to_the_same_wandb_run(tracked):
@@ -139,7 +142,8 @@ def test_tensorboard_is_a_second_tracker(tracked):
         acc.Reload()
         for kind in tags:
             tags[kind] |= set(acc.Tags()[kind])
-    assert {"loss", "val_accuracy", "val_class_accuracy/3", "summary/best_accuracy"} <= tags["scalars"]
+    assert {"train/loss", "train/accuracy", "val/accuracy", "val/class_accuracy/3",
+            "summary/best_accuracy"} <= tags["scalars"]
     assert {"val/confusion_matrix", "val/misclassified"} <= tags["images"]
     segments = list(tb.glob("*/hparams.yml"))  # the flattened config, with the plan and environment
     assert len(segments) == 2  # the interrupted run and its resume

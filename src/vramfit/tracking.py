@@ -111,7 +111,7 @@ class RunLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.use_trackers:
-            self.acc.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
+            self.acc.log(figure_names(rec), step=step)
 
     def summary(self, summary: dict) -> None:
         """The run's final figures as the tracker's run summary (W&B's last-value default would show
@@ -126,6 +126,29 @@ class RunLog:
                 for k, v in figures.items():
                     tracker.tracker.add_scalar(f"summary/{k}", v, summary.get("global_step"))
                 tracker.tracker.flush()
+
+
+# metrics.jsonl keys that stay as they are in the trackers (the x axes, not figures).
+AXES = ("epoch",)
+
+
+def figure_names(record: dict) -> dict:
+    """A metrics.jsonl record as the trackers' figures, grouped by what they measure: a training
+    step's `loss` as `train/loss`, an evaluation's `val_accuracy` as `val/accuracy` (W&B and
+    TensorBoard group panels by the part before the slash). Numbers only; `step` and `time` are
+    the record's position, not figures."""
+    kind = record.get("kind")
+    out = {}
+    for k, v in record.items():
+        if k in ("step", "time", "kind") or not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        if k in AXES or "/" in k:
+            out[k] = v
+        elif kind == "eval":  # the evaluation's own figures, and the epoch's it closes
+            out[f"val/{k.removeprefix('val_')}" if k.startswith("val_") else f"epoch/{k.removeprefix('epoch_')}"] = v
+        else:
+            out[f"{kind or 'train'}/{k}"] = v
+    return out
 
 
 def continue_record(metrics_file: Path, resumed_step: int | None) -> None:
@@ -266,6 +289,8 @@ def start_trackers(acc, cfg, run_dir: Path, run_name: str, *, run_id: str, preci
         return
     config = run_config(cfg, precision, env, plan)
     for tracker in acc.trackers:
+        if tracker.name == "wandb":  # the run's headline in W&B's table: its best validation accuracy
+            tracker.tracker.define_metric("val/accuracy", summary="max")
         # TensorBoard's hparams take only flat scalars; W&B keeps the nesting (filterable in its UI).
         tracker.store_init_configuration(config if tracker.name == "wandb" else flat_config(config))
 
@@ -370,7 +395,7 @@ def _tensorboard_evaluation(writer, report: dict, shown: list[tuple], step: int)
     if len(report["per_class"]) <= TENSORBOARD_CLASS_SCALARS_MAX:
         for c in report["per_class"]:
             if c["accuracy"] is not None:
-                writer.add_scalar(f"val_class_accuracy/{c['class']}", c["accuracy"], step)
+                writer.add_scalar(f"val/class_accuracy/{c['class']}", c["accuracy"], step)
     writer.add_scalar("val/mean_class_accuracy", report["mean_class_accuracy"], step)
     writer.add_image("val/confusion_matrix", _confusion_pixels(report, step), step, dataformats="HWC")
     if shown:
