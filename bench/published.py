@@ -93,7 +93,7 @@ def allocated(row: Row) -> int:
 
 def peak(alloc: int, fixed: int, fraction: float) -> int:
     """The planner's peak for an allocated peak, with (context + workspace, fraction) as given."""
-    return int(math.ceil(alloc * (1 + fraction) / P.SEGMENT_BYTES) * P.SEGMENT_BYTES) + fixed
+    return P.allocator_reserve(alloc, fraction) + fixed
 
 
 @dataclass
@@ -129,12 +129,11 @@ def fit(rows: list[Row], allocs: list[int]) -> Score:
     the measured peaks, then the smaller one (module docstring). For each fraction the sum is as
     large as the tightest batch that ran allows: a larger one only predicts more."""
     total = np.array([r.total for r in rows], dtype=np.float64)
-    alloc = np.array(allocs, dtype=np.float64)
     ran = np.array([r.outcome == "ran" for r in rows])
     measured = np.array([(r.measured_peak_gib or 0) * GiB for r in rows])
     best = None
     for fraction in FRACTION_GRID:
-        body = np.ceil(alloc * (1 + fraction) / P.SEGMENT_BYTES) * P.SEGMENT_BYTES
+        body = np.array([P.allocator_reserve(a, fraction) for a in allocs], dtype=np.float64)
         fixed = float(np.floor((total - body)[ran].min() / MiB) * MiB) if ran.any() else 0.0
         if fixed < 0:
             continue  # some batch that ran does not fit even without a context

@@ -240,8 +240,11 @@ def clear_profiles() -> None:
 # API
 
 
-def _reserved(allocated: int) -> int:
-    return int(math.ceil(allocated * (1 + ALLOCATOR_OVERHEAD_FRACTION) / SEGMENT_BYTES) * SEGMENT_BYTES)
+def allocator_reserve(allocated: int, fraction: float | None = None) -> int:
+    """What the caching allocator holds for an allocated peak: + the overhead fraction (default
+    ALLOCATOR_OVERHEAD_FRACTION), in whole segments. bench/published.py fits `fraction` with it."""
+    f = ALLOCATOR_OVERHEAD_FRACTION if fraction is None else fraction
+    return int(math.ceil(allocated * (1 + f) / SEGMENT_BYTES) * SEGMENT_BYTES)
 
 
 def _estimate_from(prof: Profile, micro: int, per_process: int, num_processes: int,
@@ -256,7 +259,7 @@ def _estimate_from(prof: Profile, micro: int, per_process: int, num_processes: i
     # The gradient reducer's flat buckets (collectives.GradReducer), allocated once for the run.
     reducer = reducer_buffer_bytes(prof.param_sizes) if num_processes > 1 else 0
     allocated = pk.allocated + reducer
-    reserved = _reserved(allocated)
+    reserved = allocator_reserve(allocated)
     context = CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES
     return MemoryEstimate(
         micro_batch=micro,
