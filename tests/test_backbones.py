@@ -73,3 +73,18 @@ def test_plan_picks_a_micro_batch_for_each_backbone(capsys):
         assert plan["model"] == name and plan["micro_batch_source"] == "auto" and plan["fits"]
         picks[name] = plan["micro_batch"]
     assert picks["resnet34"] > picks["resnet50"], picks
+
+
+def test_a_one_step_run_has_its_lr_and_no_scheduler_warning(caplog):
+    """One optimizer step in the whole run (a tiny dataset): the LR of that step is the base LR, and
+    timm's "cosine annealing will have no effect" warning does not reach the user."""
+    import logging
+
+    model = torch.nn.Linear(4, 2)
+    cfg = OptimConfig(lr=1e-3, warmup_epochs=1.0)
+    opt = create_optimizer(model, cfg)
+    with caplog.at_level(logging.WARNING):
+        sched = create_scheduler(opt, cfg, steps_per_epoch=1, epochs=1)
+    assert not [r for r in caplog.records if "no effect" in r.getMessage()]
+    sched.step_update(num_updates=0)
+    assert all(g["lr"] == pytest.approx(1e-3) for g in opt.param_groups)

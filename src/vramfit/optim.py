@@ -129,7 +129,9 @@ def create_scheduler(optimizer, cfg: OptimConfig, steps_per_epoch: int, epochs: 
     total = max(1, steps_per_epoch * epochs)
     warmup = min(total - 1, round(cfg.warmup_epochs * steps_per_epoch)) if cfg.warmup_epochs else 0
     floor = lr if cfg.schedule == "constant" else lr * cfg.min_lr_ratio
+    # A one-step run (t_initial 1) makes timm warn that cosine "will have no effect"; at 2 the LR
+    # of its only step (t = 0) is the same, and no second step exists.
     scheduler = CosineLRScheduler(
-        optimizer, t_initial=total, lr_min=floor, warmup_t=warmup,
+        optimizer, t_initial=max(2, total), lr_min=floor, warmup_t=warmup,
         warmup_lr_init=lr * 0.01 if warmup else lr, warmup_prefix=False, t_in_epochs=False)
     return Schedule(scheduler, optimizer, unfreeze_step, round(cfg.unfreeze_warmup_epochs * steps_per_epoch))
