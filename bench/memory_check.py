@@ -73,16 +73,11 @@ def predict(model: str, precision: str, ckpt: bool, micro: int, optim: str = "ad
     return P.estimate(config(model, precision, ckpt, micro, optim), CLASSES, micro, per_process_batch=micro)
 
 
-def planner_max(model: str, precision: str, budget: int, hi: int = 4096, optim: str = "adamw") -> int:
-    """Largest micro-batch (any integer) whose predicted peak fits `budget` (peaks grow with it)."""
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if predict(model, precision, False, mid, optim).peak_bytes <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def planner_max(model: str, precision: str, budget: int, optim: str = "adamw") -> int:
+    """Largest micro-batch (any integer) whose predicted peak fits `budget`, run whole."""
+    from vramfit.planner.lineup import largest_whole_batch
+
+    return largest_whole_batch(config(model, precision, False, 1, optim), CLASSES, budget)
 
 
 # ---------------------------------------------------------------------------------------------
