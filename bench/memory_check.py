@@ -229,6 +229,8 @@ def main(argv=None) -> int:
                     help="the planner against every public fit / OOM pair in bench/published_memory.csv "
                          "(no GPU; bench/published.py)")
     ap.add_argument("--fit", action="store_true", help="with --published: also fit the constants and the margin")
+    ap.add_argument("--with", dest="measured", action="append", default=[], metavar="JSON",
+                    help="with --published: add the rows of a memory_check.json measured on a card")
     ap.add_argument("--empty-cache", action="store_true",
                     help="only time steps with and without torch.cuda.empty_cache() after each (~1 min)")
     ap.add_argument("--cap-gib", type=float, default=12.0, help="card size for the pick check (default 12)")
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
     if args.published:
         from published import report
 
-        print(report(fit_constants=args.fit)[0])
+        print(report(fit_constants=args.fit, measured=[Path(m) for m in args.measured])[0])
         return 0
 
     models, precs, ckpts, micros = MODELS, PRECISIONS, [False, True], MICROS
@@ -324,6 +326,7 @@ def main(argv=None) -> int:
     errs = [abs(r["error_pct"]) for r in rows]
     summary = {
         "device": dev_name, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device_total_bytes": torch.cuda.get_device_properties(0).total_memory, "cap_bytes": cap,
         "cudnn": torch.backends.cudnn.version(), "n": len(rows),
         "median_abs_error_pct": round(statistics.median(errs), 2) if errs else None,
         "worst_abs_error_pct": round(max(errs), 2) if errs else None,
@@ -358,7 +361,8 @@ def main(argv=None) -> int:
         known: dict[int, bool] = {}
         pk = picks[(m, p)]
         best = true_max(m, p, pk["margin_0"], known)
-        row = {"model": m, "precision": p, "true_max": best, "probes": len(known)}
+        row = {"model": m, "precision": p, "true_max": best, "probes": len(known),
+               "outcomes": {str(k): bool(v) for k, v in sorted(known.items())}}  # bench/published.py reads them
         for name, pick in pk.items():
             ok = known.get(pick) if pick in known else (pick <= best or fits(m, p, pick))
             row[name] = {"pick": pick, "fits": bool(ok), "ratio_to_true_max": round(pick / best, 3) if best else None}

@@ -17,6 +17,7 @@ batch that ran out of memory.
 
     python bench/memory_check.py --published        # table with the planner's constants (CPU, minutes)
     python bench/memory_check.py --published --fit  # + the fit and the margin it implies
+    python bench/memory_check.py --published --fit --with bench_out/memory_check.json   # + a card's own rows
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ class Row:
     outcome: str  # ran | oom
     measured_peak_gib: float | None
     notes: str
+    total_bytes: int | None = None  # the card's reported total where known exactly (a measured card)
 
     @property
     def total(self) -> int:
-        return P.reported_total_bytes(self.card_gb)
+        return self.total_bytes or P.reported_total_bytes(self.card_gb)
 
     def config(self) -> Config:
         return Config.model_validate({
@@ -83,6 +85,33 @@ def load(path: Path = DATA) -> list[Row]:
                 image_size=int(r["image_size"]), batch=int(r["batch"]), outcome=r["outcome"],
                 measured_peak_gib=float(r["measured_peak_gib"]) if r["measured_peak_gib"] else None,
                 notes=r["notes"]))
+    return rows
+
+
+def measured_rows(path: Path) -> list[Row]:
+    """The rows a `bench/memory_check.py` run on a card adds (its $OUT/memory_check.json): every
+    measured step without checkpointing (ran, with its measured peak, on the whole card) and every
+    probe of the pick check (ran or out of memory, under the capped card)."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    info = data["summary"]
+    torch_version = ".".join(str(info["torch"]).split(".")[:2])
+    device, total, cap = info["device"], info.get("device_total_bytes"), info.get("cap_bytes")
+    precision = {"no": "fp32"}
+
+    def row(model, prec, batch, outcome, card, card_total, peak=None, notes=""):
+        return Row(f"memory_check.json ({path})", card, card_total / GiB, torch_version,
+                   precision.get(prec, prec), "nchw", "adamw", model, 224, batch, outcome,
+                   peak / GiB if peak else None, notes, total_bytes=card_total)
+
+    rows = [row(r["model"], r["precision"], r["micro_batch"], "ran", device, total, r["measured_peak"],
+                "measured step; no checkpointing")
+            for r in data.get("rows", []) if total and not r["grad_checkpointing"]]
+    for r in data.get("picks", []) if cap else []:
+        for batch, ok in r.get("outcomes", {}).items():
+            rows.append(row(r["model"], r["precision"], int(batch), "ran" if ok else "oom",
+                            f"{device} capped at {cap / GiB:g} GiB", cap, notes="pick-check probe"))
     return rows
 
 
@@ -195,9 +224,10 @@ def planner_constants() -> Constants:
     return Constants(P.CUDA_CONTEXT_BYTES + P.CUDA_WORKSPACE_BYTES, P.ALLOCATOR_OVERHEAD_FRACTION)
 
 
-def report(fit_constants: bool = False, path: Path = DATA) -> tuple[str, dict]:
-    """The markdown the bench prints: the planner's constants (or fitted ones) against every row."""
-    rows = load(path)
+def report(fit_constants: bool = False, path: Path = DATA, measured: list[Path] = ()) -> tuple[str, dict]:
+    """The markdown the bench prints: the planner's constants (or fitted ones) against every row
+    (+ the rows of each `measured` memory_check.json)."""
+    rows = load(path) + [r for m in measured for r in measured_rows(m)]
     allocs = [allocated(r) for r in rows]
     c, margin = planner_constants(), Config().hardware.safety_margin
     head = [f"planner: context + workspace {c.fixed / MiB:.0f} MiB, "

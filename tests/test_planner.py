@@ -497,3 +497,25 @@ def test_plan_compares_backbones_by_memory(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         __import__("vramfit.cli").cli.main(["plan", "--model", "resnet18,,resnet34"])
     assert exit_info.value.code == 2 and "distinct model names" in capsys.readouterr().err
+
+
+def test_a_cards_own_measurements_join_the_published_rows(tmp_path):
+    """`memory_check.py --published --fit --with memory_check.json`: a card's measured steps become
+    rows that ran (with their measured peak, on the whole card) and its pick-check probes rows that
+    ran or ran out of memory under the capped card."""
+    B = _published_bench()
+    GiB = 2**30
+    data = {"summary": {"device": "NVIDIA H200", "torch": "2.14.1+cu130", "device_total_bytes": 140 * GiB,
+                        "cap_bytes": 12 * GiB},
+            "rows": [{"model": "resnet50", "precision": "bf16", "grad_checkpointing": False, "micro_batch": 64,
+                      "measured_peak": 5 * GiB},
+                     {"model": "resnet50", "precision": "bf16", "grad_checkpointing": True, "micro_batch": 64,
+                      "measured_peak": 3 * GiB}],
+            "picks": [{"model": "resnet50", "precision": "no", "outcomes": {"96": True, "110": False}}]}
+    path = tmp_path / "memory_check.json"
+    path.write_text(json.dumps(data))
+    rows = B.measured_rows(path)
+    assert [(r.batch, r.outcome, r.precision, r.total) for r in rows] == [
+        (64, "ran", "bf16", 140 * GiB), (96, "ran", "fp32", 12 * GiB), (110, "oom", "fp32", 12 * GiB)]
+    assert rows[0].measured_peak_gib == 5 and rows[0].torch == "2.14"
+    assert rows[1].config().train.precision in ("no", "fp32")  # fp32 by either name
