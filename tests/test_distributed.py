@@ -312,3 +312,27 @@ def test_two_machines_over_loopback_equal_two_processes_on_one(folder, tmp_path,
     summary = json.loads((tmp_path / "nodes" / "summary.json").read_text())
     assert (summary["num_processes"], summary["micro_batch"], summary["grad_accum_steps"]) == (2, 4, 2)
     assert _close(_final(tmp_path / "nodes"), _final(micro_4))
+
+
+def test_a_worker_killed_under_torchrun_max_restarts_resumes_to_the_same_weights(folder, tmp_path):
+    """An elastic job (`torchrun --max-restarts 1`) loses a worker mid-run (SIGKILL on rank 1 after
+    step 5, the first attempt only): torchrun restarts both, the new round joins (its own
+    rendezvous keys, not the dead workers' addresses), resumes from the step-4 checkpoint and ends
+    with the weights and record of an uninterrupted run."""
+    extra = ["--epochs", "3", "--micro-batch", "4", "--set", "checkpoint.every_steps=2"]
+    ref = _run(folder, tmp_path, "ref", 2, *extra)
+    args = ["--data", str(folder), "--model", "test_resnet", "--image-size", "24", "--global-batch", "16",
+            "--output", str(tmp_path), "--run-name", "elastic", "--set", "data.num_workers=0",
+            "--set", "model.bn=freeze", "--set", "data.crop_pct=1.0", "--set", "train.log_every_steps=1",
+            "--set", "data.color_jitter_on=device", *extra,
+            "--set", "debug.kill_at_step=5", "--set", "debug.fault_rank=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", "1", str(REPO / "train.py"), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resum" in proc.stderr.lower()  # the second round continued from the checkpoint
+    assert _close(_final(tmp_path / "elastic"), _final(ref), tol=0.0)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 9  # no step twice in the record

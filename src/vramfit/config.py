@@ -201,6 +201,9 @@ class DebugConfig(Section):
     fault_rank: int | None = None
     # Behave as if SIGTERM arrived right after this global step (tests interruption and resume).
     signal_at_step: int | None = None
+    # SIGKILL this process right after this global step, in the first attempt of a torchrun job only
+    # (TORCHELASTIC_RESTART_COUNT 0): a machine lost mid-epoch, for the elastic-restart test.
+    kill_at_step: int | None = None
     # Behave as if SIGTERM arrived inside this global step, before its second micro-batch.
     signal_in_step: int | None = None
     # Behave as if SIGTERM arrived during the evaluation after this epoch (1-based), before its 2nd batch.

@@ -8,6 +8,8 @@ that process injects them, and the processes must still agree.
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Callable
 
 import torch
@@ -72,6 +74,10 @@ class Faults:
         return self.stop_check(flag, self.cfg.signal_in_eval == epoch_number)
 
     def after_step(self, flag: SignalFlag, step_number: int) -> None:
-        """`signal_at_step`: as if SIGTERM arrived right after that step."""
+        """`signal_at_step`: as if SIGTERM arrived right after that step. `kill_at_step`: SIGKILL
+        (on the fault rank, in a torchrun job's first attempt only)."""
         if self.cfg.signal_at_step == step_number:
             flag.raise_flag()
+        if (self.cfg.kill_at_step == step_number and self.here
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            os.kill(os.getpid(), signal.SIGKILL)
