@@ -75,27 +75,6 @@ def set_threads(local_processes: int) -> str:
     return f"{torch.get_num_threads()} torch threads"
 
 
-def join_elastic_world() -> None:
-    """Under torchrun (an elastic agent: TORCHELASTIC_RESTART_COUNT is set) with several
-    processes, initialise the default process group from the environment before Accelerate does.
-
-    Hand-written because Accelerate passes `rank` and `world_size` explicitly on CPU, and torch then
-    keeps the rendezvous keys of the first attempt: after a worker dies and torchrun restarts the
-    job (`--max-restarts`), the new workers dial the dead ones' addresses and fail in gloo's
-    connectFullMesh. Without them, torch's env:// rendezvous gives every attempt its own keys.
-    Accelerate sees the group initialised and uses it."""
-    import torch.distributed as dist
-
-    if (os.environ.get("TORCHELASTIC_RESTART_COUNT") is None or int(os.environ.get("WORLD_SIZE", "1")) < 2
-            or not dist.is_available() or dist.is_initialized()):
-        return
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
-
-
 def start(cfg, run_dir: Path | None = None) -> Launch:
     """The process's Accelerator, in the precision `precision.here(cfg)` resolves; with the run's
     trackers when `run_dir` is given (TensorBoard writes into it), none without (lr-find, benches)."""
@@ -113,7 +92,6 @@ def start(cfg, run_dir: Path | None = None) -> Launch:
     check_gpu_recipe(cfg, torch.cuda.is_available())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     precision = precisions.here(cfg)
-    join_elastic_world()
     acc = Accelerator(mixed_precision=precision.accelerate,
                       cpu=device_type == "cpu",  # without it Accelerate ignores a torchrun world on CPU
                       log_with=log_with(cfg, run_dir) if run_dir is not None else None,
