@@ -120,18 +120,14 @@ def allocated(row: Row) -> int:
     return P.estimate(row.config(), CLASSES, row.batch, per_process_batch=row.batch).allocated_bytes
 
 
-def peak(alloc: int, fixed: int, fraction: float) -> int:
-    """The planner's peak for an allocated peak, with (context + workspace, fraction) as given."""
-    return P.allocator_reserve(alloc, fraction) + fixed
-
-
 @dataclass
 class Constants:
     fixed: int  # context + workspace
     fraction: float  # allocator overhead
 
-    def peak(self, row: "Row", alloc: int) -> int:
-        return peak(alloc, self.fixed, self.fraction)
+    def peak(self, alloc: int) -> int:
+        """The planner's peak for an allocated peak, with these constants."""
+        return P.allocator_reserve(alloc, self.fraction) + self.fixed
 
 
 @dataclass
@@ -147,7 +143,7 @@ class Score:
 
 
 def score(rows: list[Row], allocs: list[int], c: Constants) -> Score:
-    over = [c.peak(r, a) > r.total for r, a in zip(rows, allocs)]
+    over = [c.peak(a) > r.total for r, a in zip(rows, allocs)]
     return Score(c, sum(o for o, r in zip(over, rows) if r.outcome == "ran"),
                  sum(o for o, r in zip(over, rows) if r.outcome == "oom"), sum(r.outcome == "oom" for r in rows))
 
@@ -179,7 +175,7 @@ def fit(rows: list[Row], allocs: list[int]) -> Score:
 def margin_for(rows: list[Row], allocs: list[int], c: Constants) -> float:
     """The smallest margin (0.01 steps, >= MARGIN_FLOOR) whose budget every out-of-memory batch's
     predicted peak exceeds: the default pick is then below each of them."""
-    need = max((1 - c.peak(r, a) / r.total for r, a in zip(rows, allocs) if r.outcome == "oom"), default=0.0)
+    need = max((1 - c.peak(a) / r.total for r, a in zip(rows, allocs) if r.outcome == "oom"), default=0.0)
     return max(MARGIN_FLOOR, math.ceil(need * 100 - 1e-9) / 100)
 
 
@@ -195,7 +191,7 @@ def table(rows: list[Row], allocs: list[int], c: Constants, margin: float) -> st
     lines = ["| model | px | card | torch | precision | layout | optimizer | batch | outcome | predicted GiB | "
              "card GiB | predicted / card - 1 | verdict |", "|---|---:|---|---|---|---|---|---:|---|---:|---:|---:|---|"]
     for r, a in zip(rows, allocs):
-        pred = c.peak(r, a)
+        pred = c.peak(a)
         lines.append(f"| {r.model} | {r.image_size} | {r.card} | {r.torch} | {r.precision} | {r.layout} | "
                      f"{r.optimizer} | {r.batch} | {r.outcome} | {pred / GiB:.2f} | {r.total / GiB:.2f} | "
                      f"{pred / r.total - 1:+.1%} | {verdict(r, pred, margin)} |")
@@ -204,7 +200,7 @@ def table(rows: list[Row], allocs: list[int], c: Constants, margin: float) -> st
 
 def summary(rows: list[Row], allocs: list[int], c: Constants, margin: float) -> dict:
     s = score(rows, allocs, c)
-    preds = [c.peak(r, a) for r, a in zip(rows, allocs)]
+    preds = [c.peak(a) for r, a in zip(rows, allocs)]
     residuals = sorted(abs(p / r.total - 1) for r, p in zip(rows, preds))
     measured = sorted(abs(p / (r.measured_peak_gib * GiB) - 1) for r, p in zip(rows, preds) if r.measured_peak_gib)
     under = sum(verdict(r, p, margin) == "OOM under the default pick" for r, p in zip(rows, preds))

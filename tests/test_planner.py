@@ -456,7 +456,7 @@ def test_published_fit_keeps_every_run_and_catches_what_it_can():
     allocs = [r.batch * per_image for r in rows]
     c = B.fit(rows, allocs).constants
     for r, a in zip(rows, allocs):
-        assert (c.peak(r, a) <= r.total) is (r.outcome == "ran"), (r, c)
+        assert (c.peak(a) <= r.total) is (r.outcome == "ran"), (r, c)
     assert c.fixed > 0 and B.margin_for(rows, allocs, c) == B.MARGIN_FLOOR
     rows.append(row(12, 85, "oom"))
     allocs.append(85 * per_image)

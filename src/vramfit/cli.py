@@ -291,20 +291,18 @@ def run(argv: list[str]) -> int:
     if ns.command == "plan":
         from .planner import run_plan
 
-        names = _model_list(getattr(ns, "model.name", None))
-        if len(names) > 1:
+        cfgs = []
+        for name in _model_list(getattr(ns, "model.name", None)) or [None]:
+            setattr(ns, "model.name", name)
+            cfgs.append(_config(ns))
+        cfg = cfgs[0]
+        classes = ns.num_classes or (10 if cfg.data.source == "digits" else 1000)
+        if len(cfgs) > 1:
             from .planner.lineup import run_lineup
 
-            cfgs = []
-            for name in names:
-                setattr(ns, "model.name", name)
-                cfgs.append(_config(ns))
-            classes = ns.num_classes or (10 if cfgs[0].data.source == "digits" else 1000)
-            run_lineup(cfgs, classes, num_processes=ns.num_processes or cfgs[0].hardware.gpus,
+            run_lineup(cfgs, classes, num_processes=ns.num_processes or cfg.hardware.gpus,
                        memory_gib=ns.memory_gib, as_json=ns.json)
             return 0
-        cfg = _config(ns)
-        classes = ns.num_classes or (10 if cfg.data.source == "digits" else 1000)
         run_plan(cfg, classes, num_processes=ns.num_processes or cfg.hardware.gpus, memory_gib=ns.memory_gib,
                  micro_batch=cfg.train.micro_batch if isinstance(cfg.train.micro_batch, int) else None,
                  as_json=ns.json)

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from .errors import VramfitError, damaged_file
-from .runfolder import RunPaths
+from .runfolder import RunPaths, data_short_name
 
 # (header, summary.json key or a derived field); derived fields are filled in by `load_run`.
 COLUMNS = [("run", None), ("data", None), ("model", None), ("size", None), ("precision", "precision"),
@@ -79,7 +79,8 @@ def _cell(run: dict, name: str, key: str | None) -> str:
     if name == "run":
         return run["label"]
     if name == "data":
-        return data_name(c.get("data", {}).get("source"))
+        source = c.get("data", {}).get("source")
+        return data_short_name(source) if source else "?"
     if name == "model":
         return str(c.get("model", {}).get("name", "?"))
     if name == "size":
@@ -97,14 +98,6 @@ def _cell(run: dict, name: str, key: str | None) -> str:
     if isinstance(v, float):
         return f"{v:.4f}" if "accuracy" in key else f"{v:.1f}"
     return str(v)
-
-
-def data_name(source) -> str:
-    """The data a run trained on, short: `digits`, a folder's or file's name, a Hub id's last part."""
-    if not source:
-        return "?"
-    text = str(source).rstrip("/")
-    return text.rsplit("/", 1)[-1] or text
 
 
 def _fit(text: str, width: int) -> str:

@@ -55,11 +55,17 @@ def _differences(cfg) -> tuple[str | None, list[tuple[str, object]]]:
     ours, theirs = _flat(cfg.model_dump(mode="json")), _flat(base.model_dump(mode="json"))
     data = None
     if ours.get("data.source") != theirs.get("data.source"):
-        source = str(ours["data.source"]).rstrip("/")
-        data = _safe(Path(source).name or source)
+        data = _safe(data_short_name(ours["data.source"]))
     settings = [(k, v) for k, v in sorted(ours.items()) if theirs.get(k, object()) != v
                 and k not in NAMED_IN_BASE and not k.startswith(NOT_NAMED)]
     return data, settings
+
+
+def data_short_name(source) -> str:
+    """The data a run trains on, short: `digits`, a folder's or file's own name, a Hub id's last
+    part (what run names and `compare` show)."""
+    text = str(source).rstrip("/")
+    return Path(text).name or text
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
