@@ -130,6 +130,13 @@ class TrainConfig(Section):
     # Staged fine-tuning: the first N epochs train only the classifier head (the rest frozen, its
     # BatchNorm statistics fixed), then the whole network less model.freeze. 0: off.
     freeze_epochs: int = Field(0, ge=0)
+    # How the execution settings that leave the maths unchanged (micro-batch, channels_last,
+    # gradient checkpointing) are chosen: `largest` runs the largest micro-batch that fits with the
+    # settings as written; `fastest` measures the candidates that fit on the run's own first
+    # batches, with no update, and keeps the fastest (fit.py).
+    fit: Literal["fastest", "largest"] = "largest"
+    # `fit: fastest`: the share of the run's expected wall time its probe may take.
+    fit_probe_fraction: float = Field(0.03, gt=0.0, le=1.0)
 
     @field_validator("precision", mode="before")
     @classmethod

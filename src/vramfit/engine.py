@@ -216,6 +216,26 @@ class TrainStep:
             self._after_thrash()
         return result
 
+    def rehearse(self, images, labels, step_samples: int) -> bool:
+        """The forwards, backwards and gradient sums of a step at the current micro-batch, with no
+        update: gradients, BatchNorm statistics and RNG are put back as an abandoned step's are
+        (fit.py times candidates with it). False when it ran out of memory (on any process)."""
+        shares = batching.rank_shares(step_samples, world_size())
+        undo = _Undo(self.model, self.device)
+        count = batching.num_chunks(shares, self.state.micro_batch)
+        if self.horizon:
+            self.horizon.per_step(count)
+        try:
+            status, sums = self._attempt(images, labels, batching.chunk_bounds(labels.shape[0], count),
+                                         step_samples, None, self.maths)
+            self.reducer.launch_rest()
+            verdict = self.vote.vote(status, 0, 0, *sums)
+            self.reducer.finish(apply=False)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            undo.restore()
+        return verdict.status != Status.OOM
+
     def _attempt(self, images, labels, bounds, step_samples, stop_requested, maths: StepMaths):
         """The micro-batches; returns (status, (loss sum, hits)). An OOM leaves this frame and its
         graph behind before anything else runs."""

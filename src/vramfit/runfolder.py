@@ -19,7 +19,7 @@ from .errors import VramfitError
 NAMED_IN_BASE = {"recipe", "model.name", "data.image_size", "train.global_batch", "train.precision", "train.seed",
                  "output", "run_name", "resume", "allow_resume_change", "data.source"}
 NOT_NAMED = ("train.micro_batch", "train.eval_batch", "train.compile", "train.log_every_steps",
-             "train.cudnn_benchmark", "data.num_workers", "data.cache_dir", "model.grad_checkpointing",
+             "train.cudnn_benchmark", "train.fit", "data.num_workers", "data.cache_dir", "model.grad_checkpointing",
              "model.channels_last", "checkpoint.", "tracking.", "hardware.", "debug.")
 MAX_READABLE = 40  # longer differences are named by a short hash
 

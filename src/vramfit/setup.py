@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .data import Loaders, Splits
     from .engine import TrainStep
     from .faults import Faults
+    from .fit import FitResult
     from .launch import Launch
     from .phases import Phase
     from .validation import EvalState
@@ -103,6 +104,7 @@ class Training:
     notes: list[str]  # said at start: the optimizer's groups, BatchNorm at small micro-batches
     # Measured device peak (max_memory_reserved) of each phase this launch finished, by name.
     phase_peaks: dict[str, int]
+    fit: FitResult | None  # train.fit: how the execution settings were chosen (fit.choose)
 
     @property
     def micro(self) -> batching.MicroBatch:
@@ -183,7 +185,7 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
                      bn_momentum_per_step=cfg.model.bn_momentum_per == "step")
     notes = training_notes(cfg, L, len(class_names), optimizer, plans)
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
-                    state, step, seconds, phases, plans, notes, phase_peaks={})
+                    state, step, seconds, phases, plans, notes, phase_peaks={}, fit=None)
 
 
 def plan_phases(cfg: Config, L: Launch, num_classes: int, model, phases: list[Phase], point) -> list[Plan]:

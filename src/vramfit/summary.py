@@ -34,6 +34,7 @@ def build(run, clock) -> dict:
         "unreadable_files": sorted(state.bad_files),
         "num_classes": len(class_names), "class_names": class_names, "empty_classes": run.splits.empty_classes,
         "phases": phases(run, now),
+        "fit": run.fit.as_dict() if run.fit is not None else None,
     }
     # Every reader of summary.json expects JSON: no NaN or infinity, ever.
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
@@ -65,6 +66,10 @@ def say_start(run) -> None:
              "%d steps/epoch, %d loader workers (%s)", run.cfg.train.global_batch, micro.size,
              micro.grad_accum_steps, L.world, L.precision.name, L.acc.device, run.steps_per_epoch,
              loaders.workers, loaders.workers_why)
+    if run.fit is not None and run.fit.mode == "fastest":
+        from .fit import table
+
+        log.info("%s", table(run.fit))
     if point:
         log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", point.path,
                  point.state.epoch, point.state.step_in_epoch, point.state.global_step)

@@ -1,0 +1,347 @@
+"""`train.fit: fastest`: of the execution settings that leave a step's maths unchanged (the
+micro-batch, channels_last, gradient checkpointing), the fastest that fits, chosen by measurement.
+
+The planner drops what will not fit; the rest are timed on the run's own first batches, on the
+device it trains on, with the step it trains with (`TrainStep.rehearse`: forwards, backwards and
+gradient sums, no update, everything put back), so the weights of the run are those of a run given
+the winning settings directly. The search is greedy from the settings as written, one setting at a
+time, the most promising first, and stops when the probe has used its share of the run's expected
+wall time (`train.fit_probe_fraction`, 3%): a short run probes little. Every process probes the
+same candidates and takes the slowest process's time, so all agree on one choice. The result is
+cached per machine, model, image size, precision, batch split and library versions (a rerun or a
+resume does not probe again).
+
+Written here because no library does it: DeepSpeed's autotuner runs separate experiments, and
+Lightning's BatchSizeFinder and Accelerate's find_executable_batch_size pick the largest batch,
+not the fastest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import batching
+from .collectives import agree_max, agree_min
+
+if TYPE_CHECKING:
+    from .setup import Run
+
+log = logging.getLogger("vramfit")
+
+WARMUP_STEPS = 1  # a new layout or split allocates and (cuDNN) benchmarks on its first step
+TIMED_STEPS = 2  # the fastest of these is the candidate's time (least disturbed by other jobs)
+
+
+@dataclass(frozen=True)
+class Settings:
+    micro_batch: int
+    channels_last: bool
+    grad_checkpointing: bool
+
+    def label(self) -> str:
+        return (f"micro {self.micro_batch}" + (", channels_last" if self.channels_last else "")
+                + (", checkpointing" if self.grad_checkpointing else ""))
+
+
+@dataclass
+class Candidate:
+    settings: Settings
+    predicted_peak_bytes: int | None = None
+    images_per_second: float | None = None  # None: not probed (budget) or out of memory
+    outcome: str = "not probed"  # measured | out of memory | not probed | dropped by the planner
+
+    def as_dict(self) -> dict:
+        return {"settings": asdict(self.settings), "predicted_peak_bytes": self.predicted_peak_bytes,
+                "images_per_second": self.images_per_second, "outcome": self.outcome}
+
+
+@dataclass
+class FitResult:
+    mode: str
+    candidates: list[Candidate] = field(default_factory=list)
+    chosen: Settings | None = None
+    probe_seconds: float = 0.0
+    cached: bool = False
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "candidates": [c.as_dict() for c in self.candidates],
+                "chosen": asdict(self.chosen) if self.chosen else None,
+                "probe_seconds": self.probe_seconds, "cached": self.cached}
+
+
+def current(run: Run) -> Settings:
+    m = run.cfg.model
+    return Settings(run.step.state.micro_batch, m.channels_last, m.grad_checkpointing)
+
+
+def choose(run: Run) -> FitResult:
+    """Choose and apply the run's fit (a no-op for `largest`, FSDP, and a fixed everything)."""
+    cfg = run.cfg
+    base = current(run)
+    if cfg.train.fit != "fastest" or run.step.fsdp:
+        return FitResult("largest", chosen=base)
+    result = FitResult("fastest")
+    key = cache_key(run)
+    hit = _agreed_hit(run, cached(key))
+    if hit is not None:
+        result.candidates, result.chosen, result.cached = hit.candidates, hit.chosen, True
+    else:
+        started = time.perf_counter()
+        result.candidates, result.chosen = search(run, base)
+        result.probe_seconds = time.perf_counter() - started
+        if run.launch.main:
+            store(key, result)
+    apply(run, result.chosen)
+    return result
+
+
+def search(run: Run, base: Settings) -> tuple[list[Candidate], Settings]:
+    """Greedy: from the settings as written, try one change at a time while the budget lasts."""
+    device = run.launch.acc.device
+    started = time.perf_counter()
+    batches = first_batches(run, WARMUP_STEPS + TIMED_STEPS)
+    best = Candidate(base, predicted_peak(run, base))
+    measuring = time.perf_counter()
+    best.images_per_second = measure(run, base, batches)
+    best.outcome = "measured" if best.images_per_second else "out of memory"
+    tried = [best]
+    # Decided on figures every process shares, so that all probe the same candidates.
+    cost = _agreed_seconds(time.perf_counter() - measuring, device)  # what probing one candidate takes
+    step_seconds = batches[0].step_samples / best.images_per_second if best.images_per_second else cost
+    budget = run.cfg.train.fit_probe_fraction * step_seconds * run.steps_per_epoch * run.cfg.train.epochs
+    for settings in neighbours(run, base):
+        cand = Candidate(settings, predicted_peak(run, settings))
+        tried.append(cand)
+        if not agree_min(int(fits(run, cand)), device):
+            cand.outcome = "dropped by the planner"
+        elif _agreed_seconds(time.perf_counter() - started, device) + cost <= budget:
+            cand.images_per_second = measure(run, settings, batches)
+            cand.outcome = "measured" if cand.images_per_second else "out of memory"
+    apply(run, base)
+    measured = [c for c in tried if c.images_per_second]
+    if not measured:  # even the settings as written ran out of memory: the OOM retry takes over
+        return tried, base
+    top = max(c.images_per_second for c in measured)
+    # Within 1% is a tie (timing noise): the one needing less memory wins.
+    close = [c for c in measured if c.images_per_second >= 0.99 * top]
+    return tried, min(close, key=lambda c: (c.predicted_peak_bytes or 0, -c.images_per_second)).settings
+
+
+def _agreed_seconds(seconds: float, device) -> float:
+    return agree_max(int(seconds * 1000), device) / 1000
+
+
+def neighbours(run: Run, base: Settings) -> list[Settings]:
+    """The candidates besides `base`, most promising first: the other memory layout, one and two
+    halvings of the micro-batch (when vramfit chose it), and gradient checkpointing only where it
+    fits a larger micro-batch than the largest without it (at an equal micro-batch it only adds a
+    forward)."""
+    out = [replace(base, channels_last=not base.channels_last)]
+    if run.plan.micro.source == "whole share" or run.plan.micro.source.startswith("auto"):  # vramfit's to choose
+        smallest, m = run.plan.min_micro_batch, base.micro_batch
+        for _ in range(2):
+            m = batching.smaller_micro_batch(m)
+            if m < smallest or m == base.micro_batch:
+                break
+            out += [replace(base, micro_batch=m), replace(base, micro_batch=m, channels_last=not base.channels_last)]
+    larger = larger_with_checkpointing(run, base)
+    if larger:
+        out += [Settings(larger, cl, True) for cl in (base.channels_last, not base.channels_last)]
+    return out
+
+
+def larger_with_checkpointing(run: Run, base: Settings) -> int | None:
+    """The largest micro-batch that fits the card with gradient checkpointing, when it is larger
+    than `base`'s (None on a CPU: nothing to fit against, the whole share already runs at once)."""
+    from .planner import budget_bytes_for, pick_micro_batch
+
+    L, per = run.launch, run.plan.micro.per_process_batch
+    if base.grad_checkpointing or L.device_type != "cuda" or base.micro_batch >= per:
+        return None
+    total = torch.cuda.get_device_properties(L.acc.device).total_memory
+    cfg = _config(run, replace(base, grad_checkpointing=True))
+    try:
+        pick, _ = pick_micro_batch(cfg, len(run.class_names), per, budget_bytes_for(cfg, total_bytes=total),
+                                   precision=L.precision.accelerate, num_processes=L.world)
+    except Exception:  # noqa: BLE001 - a model the tracer cannot follow: no checkpointing candidate
+        return None
+    return pick if pick and pick > base.micro_batch else None
+
+
+def _config(run: Run, s: Settings, planned: bool = True):
+    """The run's config with `s`'s layout and checkpointing (and, for the planner, its micro-batch)."""
+    cfg = run.cfg
+    update = {"model": cfg.model.model_copy(update={"channels_last": s.channels_last,
+                                                    "grad_checkpointing": s.grad_checkpointing})}
+    if planned:
+        update["train"] = cfg.train.model_copy(update={"micro_batch": s.micro_batch})
+    return cfg.model_copy(update=update)
+
+
+def predicted_peak(run: Run, s: Settings) -> int | None:
+    """The planner's peak for `s` on a GPU (a trace per layout: seconds for a large model). On a
+    CPU nothing is fitted against, so only the plan the run already has is given."""
+    from .planner import estimate
+
+    if s == current(run) and s.micro_batch == run.plan.micro.size:
+        return run.plan.predicted_peak_bytes
+    if run.launch.device_type != "cuda":
+        return None
+    try:
+        return estimate(_config(run, s), len(run.class_names), s.micro_batch, run.launch.precision.accelerate,
+                        num_processes=run.launch.world, per_process_batch=run.plan.micro.per_process_batch).peak_bytes
+    except Exception:  # noqa: BLE001 - a model the tracer cannot follow is still measured
+        return None
+
+
+def fits(run: Run, cand: Candidate) -> bool:
+    """The planner's verdict on a GPU (a CPU has no budget to fit)."""
+    from .planner import budget_bytes_for
+
+    L = run.launch
+    if L.device_type != "cuda" or cand.predicted_peak_bytes is None:
+        return True
+    total = torch.cuda.get_device_properties(L.acc.device).total_memory
+    return cand.predicted_peak_bytes <= budget_bytes_for(run.cfg, total_bytes=total)
+
+
+def first_batches(run: Run, n: int) -> list:
+    """The run's own next `n` batches as its loader's dataset and sampler make them (read in this
+    process; each sample's augmentation is a function of the sample, so nothing moves)."""
+    from .data.loader import collate
+
+    loaders, st = run.loaders, run.state
+    loaders.sampler.set_epoch(st.epoch, st.step_in_epoch)
+    ds = loaders.train.dataset
+    shares = list(itertools.islice(iter(loaders.sampler), n))
+    return [collate([ds[key] for key in share], getattr(ds, "image_size", None)) for share in shares]
+
+
+def measure(run: Run, s: Settings, batches: list) -> float | None:
+    """Images per second of this process's share at `s` (the slowest process's figure, so every
+    process holds the same); None when a step ran out of memory on any process."""
+    apply(run, s)
+    device, seconds = run.launch.acc.device, []
+    ok = True
+    for batch in batches:
+        images = run.loaders.normalize(batch.images)
+        labels = batch.labels.to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        ok = run.step.rehearse(images, labels, batch.step_samples) and ok
+        _sync(device)
+        seconds.append(time.perf_counter() - t0)
+        if not ok:
+            break
+    if agree_min(int(ok), device) == 0:
+        return None
+    fastest = agree_max(int(min(seconds[WARMUP_STEPS:] or seconds) * 1e6), device) / 1e6
+    return batches[0].step_samples / fastest if fastest > 0 else None
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def apply(run: Run, s: Settings) -> None:
+    """Make the run execute with `s`: the model's memory format and checkpointing, the step's
+    micro-batch, the normaliser's layout, and the config and plan that record them."""
+    from .data.loader import normalizer
+
+    module = run.launch.acc.unwrap_model(run.model)
+    fmt = torch.channels_last if s.channels_last else torch.contiguous_format
+    module.to(memory_format=fmt)
+    if hasattr(module, "set_grad_checkpointing"):
+        module.set_grad_checkpointing(s.grad_checkpointing)
+    run.step.recomputes = s.grad_checkpointing and any(True for _ in module.buffers())
+    run.step.state.micro_batch = s.micro_batch
+    run.loaders.normalize = normalizer(run.data_cfg, run.launch.acc.device, s.channels_last)
+    run.cfg = _config(run, s, planned=False)  # config.yaml records what runs; micro_batch stays as written
+    if s.micro_batch != run.plan.micro.size:
+        run.plan.micro = batching.MicroBatch(s.micro_batch, run.plan.micro.per_process_batch, "fit: fastest")
+        run.plan.predicted_peak_bytes = predicted_peak(run, s)
+    run.state.micro_batch = s.micro_batch
+
+
+# ---------------------------------------------------------------------------------- the cache
+def cache_key(run: Run) -> str:
+    """What a measured choice depends on: machine, device, model and its settings, the batch split
+    and the library versions."""
+    import timm
+
+    cfg, L = run.cfg, run.launch
+    dev = torch.cuda.get_device_name(L.acc.device) if L.device_type == "cuda" else platform.processor() or "cpu"
+    parts = (platform.node(), dev, os.cpu_count(), torch.get_num_threads(), torch.__version__, timm.__version__,
+             cfg.model.name, cfg.data.image_size, L.precision.name, L.world, run.plan.micro.per_process_batch,
+             run.plan.micro.size, run.plan.micro.source, cfg.model.channels_last, cfg.model.grad_checkpointing,
+             cfg.model.bn, ",".join(cfg.model.freeze), run.plan.phase, len(run.class_names), cfg.optim.name,
+             cfg.train.compile, cfg.data.num_workers)
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def _cache_file() -> Path:
+    from .builtin_data import cache_root
+
+    return cache_root() / "fit_cache.json"
+
+
+def cached(key: str) -> FitResult | None:
+    try:
+        saved = json.loads(_cache_file().read_text())[key]
+        cands = [Candidate(Settings(**c["settings"]), c["predicted_peak_bytes"], c["images_per_second"],
+                           c["outcome"]) for c in saved["candidates"]]
+        return FitResult("fastest", cands, Settings(**saved["chosen"]), cached=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(key: str, result: FitResult) -> None:
+    """Best effort: a cache that cannot be written only means the next run probes again."""
+    f = _cache_file()
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = result.as_dict()
+        tmp = f.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, f)
+    except OSError as e:
+        log.warning("note: the fit cache %s cannot be written (%s); the next run probes again", f, e.strerror or e)
+
+
+def _agreed_hit(run: Run, hit: FitResult | None) -> FitResult | None:
+    """A cached choice is used only where every process holds the same one (the same machine
+    kind everywhere); otherwise all probe."""
+    device = run.launch.acc.device
+    code = -1 if hit is None else int(hashlib.sha256(json.dumps(asdict(hit.chosen)).encode()).hexdigest()[:7], 16)
+    if agree_min(code, device) != agree_max(code, device) or code < 0:
+        return None
+    return hit
+
+
+# ---------------------------------------------------------------------------------- said at start
+def table(result: FitResult) -> str:
+    """The candidates the choice was made from, one line each."""
+    rows = []
+    for c in result.candidates:
+        peak = f"{c.predicted_peak_bytes / 2**30:.2f} GiB" if c.predicted_peak_bytes else "n/a"
+        ips = f"{c.images_per_second:.0f} img/s" if c.images_per_second else c.outcome
+        mark = "  <- chosen" if c.settings == result.chosen else ""
+        rows.append(f"    {c.settings.label():<36} predicted {peak:>9}  {ips}{mark}")
+    how = "cached from an earlier run" if result.cached else f"probed in {result.probe_seconds:.1f} s"
+    return f"fit: fastest ({how}):\n" + "\n".join(rows)

@@ -1,0 +1,101 @@
+"""`train.fit: fastest`: the probe changes nothing but the execution settings, is recorded, and is
+not repeated by a rerun or a resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_args
+from safetensors.torch import load_file
+
+FASTEST = ("--set", "train.fit=fastest", "--set", "train.fit_probe_fraction=1.0")
+
+
+@pytest.fixture
+def fit_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VRAMFIT_CACHE", str(cache))
+    return cache / "fit_cache.json"
+
+
+def _last_weights(run_dir):
+    ckpt = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    return load_file(ckpt / "model.safetensors")
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_fastest_trains_as_the_chosen_settings_given_directly(train_cli, fit_cache):
+    fast_dir, code = train_cli(*tiny_args(*FASTEST), run_name="fast")
+    assert code == 0
+    fit = _summary(fast_dir)["fit"]
+    assert fit["mode"] == "fastest" and not fit["cached"] and fit["probe_seconds"] > 0
+    measured = [c for c in fit["candidates"] if c["outcome"] == "measured"]
+    assert len(measured) >= 3  # the budget (the whole run) pays for several
+    assert all(c["images_per_second"] > 0 for c in measured)
+    best = max(measured, key=lambda c: c["images_per_second"])
+    assert best["images_per_second"] <= 1.0 / 0.99 * next(
+        c["images_per_second"] for c in measured if c["settings"] == fit["chosen"])
+    chosen = fit["chosen"]
+    direct_dir, code = train_cli(*tiny_args("--micro-batch", str(chosen["micro_batch"]), "--set",
+                                            f"model.channels_last={str(chosen['channels_last']).lower()}"),
+                                 run_name="direct")
+    assert code == 0
+    a, b = _last_weights(fast_dir), _last_weights(direct_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _summary(fast_dir)["micro_batch"] == chosen["micro_batch"]
+    assert _summary(direct_dir)["fit"]["mode"] == "largest"
+
+
+def test_a_resumed_run_takes_the_cached_choice(train_cli, fit_cache):
+    args = tiny_args(*FASTEST, "--epochs", "2")
+    cut_dir, code = train_cli(*args, "--set", "debug.signal_at_step=12", run_name="cut")
+    assert code == 143 and fit_cache.is_file()
+    first = _summary(cut_dir)["fit"]
+    cut_dir, code = train_cli(*args, run_name="cut")  # the same command resumes
+    assert code == 0
+    again = _summary(cut_dir)["fit"]
+    assert again["cached"] and again["probe_seconds"] == 0 and again["chosen"] == first["chosen"]
+
+
+def test_a_short_run_probes_within_its_budget(train_cli, fit_cache):
+    run_dir, code = train_cli(*tiny_args("--set", "train.fit=fastest"), run_name="short")
+    assert code == 0
+    s = _summary(run_dir)
+    # 3% of a one-epoch run: the settings as written at least, and never more than the budget allows
+    assert s["fit"]["candidates"][0]["outcome"] == "measured"
+    assert s["fit"]["probe_seconds"] <= 0.03 * s["wall_seconds"] + 1.0
+
+
+def test_rehearse_leaves_no_trace():
+    from accelerate import Accelerator
+
+    from vramfit.config import ModelConfig
+    from vramfit.engine import TrainStep
+    from vramfit.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="test_resnet"), 4, image_size=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = TrainStep(Accelerator(cpu=True), model, opt, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 4, (8,))
+    rng = torch.get_rng_state()
+    assert step.rehearse(x, y, 8)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+
+
+def test_bad_probe_fraction_is_refused():
+    from vramfit.config import build_config
+    from vramfit.errors import VramfitError
+
+    with pytest.raises(VramfitError, match="fit_probe_fraction"):
+        build_config("quickstart", ["train.fit_probe_fraction=0"])
+    with pytest.raises(VramfitError, match="train.fit"):
+        build_config("quickstart", ["train.fit=quickest"])
