@@ -14,7 +14,9 @@
 # recipe_rtx3060.txt/.json (the rtx3060 recipe for one short epoch with the allocator capped at its
 # 12 GB card, stopped and resumed, then exported: the measured peak against the plan);
 # recipe_rtx3060_staged.txt/.json (the same with train.freeze_epochs=1 over two epochs: ResNet50 at
-# 224 px head-only, then whole, each phase's measured peak against its own plan).
+# 224 px head-only, then whole, each phase's measured peak against its own plan);
+# fit_sweep_resnet50.txt / fit_sweep_efficientnet_b0.txt (train.fit: fastest's pick and probe cost
+# beside every candidate trained directly, capped at 12 GiB).
 # Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,4 +59,11 @@ OUT="$OUT" $PY bench/recipe_run.py --recipe rtx3060 2>"$OUT/recipe_rtx3060.log" 
 OUT="$OUT" $PY bench/recipe_run.py --recipe rtx3060 --staged --train-samples 512 \
   2>"$OUT/recipe_rtx3060_staged.log" | tee "$OUT/recipe_rtx3060_staged.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# train.fit: fastest against every candidate, ResNet50 and EfficientNet-B0 at 224 px with the
+# allocator capped at the rtx3060 recipe's 12 GB card (one round each, to fit the time).
+for m in resnet50 efficientnet_b0; do
+  $PY bench/fit_sweep.py --recipe rtx3060 --model "$m" --image-size 224 --train-samples 1024 --rounds 1 \
+    --json "$OUT/fit_sweep_$m.json" 2>"$OUT/fit_sweep_$m.log" | tee "$OUT/fit_sweep_$m.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
 exit "$status"

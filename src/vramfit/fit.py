@@ -111,6 +111,7 @@ def search(run: Run, base: Settings) -> tuple[list[Candidate], Settings]:
     device = run.launch.acc.device
     started = time.perf_counter()
     batches = first_batches(run, WARMUP_STEPS + TIMED_STEPS)
+    load_seconds = (time.perf_counter() - started) / len(batches)  # reading one batch in one process
     best = Candidate(base, predicted_peak(run, base))
     measuring = time.perf_counter()
     best.images_per_second = measure(run, base, batches)
@@ -119,7 +120,8 @@ def search(run: Run, base: Settings) -> tuple[list[Candidate], Settings]:
     # Decided on figures every process shares, so that all probe the same candidates.
     cost = _agreed_seconds(time.perf_counter() - measuring, device)  # what probing one candidate takes
     step_seconds = batches[0].step_samples / best.images_per_second if best.images_per_second else cost
-    budget = run.cfg.train.fit_probe_fraction * step_seconds * run.steps_per_epoch * run.cfg.train.epochs
+    budget = run.cfg.train.fit_probe_fraction * run.steps_per_epoch * run.cfg.train.epochs * _agreed_seconds(
+        expected_step_seconds(step_seconds, load_seconds, run.loaders.workers), device)
     for settings in neighbours(run, base):
         cand = Candidate(settings, predicted_peak(run, settings))
         tried.append(cand)
@@ -136,6 +138,12 @@ def search(run: Run, base: Settings) -> tuple[list[Candidate], Settings]:
     # Within 1% is a tie (timing noise): the one needing less memory wins.
     close = [c for c in measured if c.images_per_second >= 0.99 * top]
     return tried, min(close, key=lambda c: (c.predicted_peak_bytes or 0, -c.images_per_second)).settings
+
+
+def expected_step_seconds(compute: float, load: float, workers: int) -> float:
+    """A training step's wall time: the step, and the loading it waits for (all of it without
+    loader workers; with them, what they cannot hide behind the step)."""
+    return compute + load if workers == 0 else max(compute, load / workers)
 
 
 def _agreed_seconds(seconds: float, device) -> float:
@@ -287,7 +295,7 @@ def cache_key(run: Run) -> str:
              cfg.model.name, cfg.data.image_size, L.precision.name, L.world, run.plan.micro.per_process_batch,
              run.plan.micro.size, run.plan.micro.source, cfg.model.channels_last, cfg.model.grad_checkpointing,
              cfg.model.bn, ",".join(cfg.model.freeze), run.plan.phase, len(run.class_names), cfg.optim.name,
-             cfg.train.compile, cfg.data.num_workers)
+             cfg.train.compile, cfg.data.num_workers, cfg.debug.simulate_oom_above, cfg.debug.fp16_on_cpu)
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
