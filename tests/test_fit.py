@@ -99,3 +99,34 @@ def test_bad_probe_fraction_is_refused():
         build_config("quickstart", ["train.fit_probe_fraction=0"])
     with pytest.raises(VramfitError, match="train.fit"):
         build_config("quickstart", ["train.fit=quickest"])
+
+
+def test_a_resume_keeps_a_smaller_chosen_micro_batch_without_probing(train_cli, fit_cache, monkeypatch, caplog):
+    """Timing stands in here (the choice is what is tested): micro 8 of the share of 16 measures
+    fastest. The checkpoint's micro-batch 8 is the fit's choice, not an out-of-memory reduction."""
+    from vramfit import fit
+
+    def timed(run, s, batches):
+        fit.apply(run, s)
+        return 2000.0 if s.micro_batch == 8 and not s.channels_last else 1000.0
+
+    monkeypatch.setattr(fit, "measure", timed)
+    args = tiny_args(*FASTEST, "--epochs", "2")
+    ref_dir, code = train_cli(*args, run_name="ref")
+    assert code == 0 and _summary(ref_dir)["fit"]["chosen"]["micro_batch"] == 8
+    fit_cache.unlink()  # the resume must take the checkpoint's choice, not the cache's
+    cut_dir, code = train_cli(*args, "--set", "debug.signal_at_step=12", run_name="cut")
+    assert code == 143
+
+    def no_probe(*_):
+        raise AssertionError("a resume probed again")
+
+    monkeypatch.setattr(fit, "measure", no_probe)
+    caplog.clear()
+    cut_dir, code = train_cli(*args, run_name="cut")
+    assert code == 0
+    s = _summary(cut_dir)
+    assert s["fit"]["cached"] and s["micro_batch"] == 8 and s["grad_accum_steps"] == 2
+    assert "out-of-memory" not in caplog.text
+    a, b = _last_weights(ref_dir), _last_weights(cut_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -11,6 +11,8 @@ same candidates and takes the slowest process's time, so all agree on one choice
 cached per machine, model, image size, precision, batch split and library versions (a rerun or a
 resume does not probe again).
 
+`run` is a `setup.Run` throughout (not imported: setup records the FitResult).
+
 Written here because no library does it: DeepSpeed's autotuner runs separate experiments, and
 Lightning's BatchSizeFinder and Accelerate's find_executable_batch_size pick the largest batch,
 not the fastest.
@@ -27,15 +29,10 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import batching
 from .collectives import agree_max, agree_min
-
-if TYPE_CHECKING:
-    from .setup import Run
 
 log = logging.getLogger("vramfit")
 
@@ -80,12 +77,12 @@ class FitResult:
                 "probe_seconds": self.probe_seconds, "cached": self.cached}
 
 
-def current(run: Run) -> Settings:
+def current(run) -> Settings:
     m = run.cfg.model
     return Settings(run.step.state.micro_batch, m.channels_last, m.grad_checkpointing)
 
 
-def choose(run: Run) -> FitResult:
+def choose(run) -> FitResult:
     """Choose and apply the run's fit (a no-op for `largest`, FSDP, and a fixed everything)."""
     cfg = run.cfg
     base = current(run)
@@ -93,7 +90,7 @@ def choose(run: Run) -> FitResult:
         return FitResult("largest", chosen=base)
     result = FitResult("fastest")
     key = cache_key(run)
-    hit = _agreed_hit(run, cached(key))
+    hit = resumed(run) or _agreed_hit(run, cached(key))
     if hit is not None:
         result.candidates, result.chosen, result.cached = hit.candidates, hit.chosen, True
     else:
@@ -103,10 +100,25 @@ def choose(run: Run) -> FitResult:
         if run.launch.main:
             store(key, result)
     apply(run, result.chosen)
+    run.state.fit = result.as_dict()
     return result
 
 
-def search(run: Run, base: Settings) -> tuple[list[Candidate], Settings]:
+def resumed(run) -> FitResult | None:
+    """The choice the checkpoint's run made (same process count): a resume continues with it, at
+    the micro-batch an out-of-memory retry had come down to if it did."""
+    point = run.start.point
+    saved = point.state.fit if point is not None and point.state.world_size == run.launch.world else None
+    try:
+        result = from_dict(saved)
+    except (TypeError, KeyError):
+        return None
+    if run.plan.micro.source == "resumed":  # an out-of-memory retry had come down further
+        result.chosen = replace(result.chosen, micro_batch=min(result.chosen.micro_batch, run.plan.micro.size))
+    return result
+
+
+def search(run, base: Settings) -> tuple[list[Candidate], Settings]:
     """Greedy: from the settings as written, try one change at a time while the budget lasts."""
     device = run.launch.acc.device
     started = time.perf_counter()
@@ -150,7 +162,7 @@ def _agreed_seconds(seconds: float, device) -> float:
     return agree_max(int(seconds * 1000), device) / 1000
 
 
-def neighbours(run: Run, base: Settings) -> list[Settings]:
+def neighbours(run, base: Settings) -> list[Settings]:
     """The candidates besides `base`, most promising first: the other memory layout, one and two
     halvings of the micro-batch (when vramfit chose it), and gradient checkpointing only where it
     fits a larger micro-batch than the largest without it (at an equal micro-batch it only adds a
@@ -169,7 +181,7 @@ def neighbours(run: Run, base: Settings) -> list[Settings]:
     return out
 
 
-def larger_with_checkpointing(run: Run, base: Settings) -> int | None:
+def larger_with_checkpointing(run, base: Settings) -> int | None:
     """The largest micro-batch that fits the card with gradient checkpointing, when it is larger
     than `base`'s (None on a CPU: nothing to fit against, the whole share already runs at once)."""
     from .planner import budget_bytes_for, pick_micro_batch
@@ -187,7 +199,7 @@ def larger_with_checkpointing(run: Run, base: Settings) -> int | None:
     return pick if pick and pick > base.micro_batch else None
 
 
-def _config(run: Run, s: Settings, planned: bool = True):
+def _config(run, s: Settings, planned: bool = True):
     """The run's config with `s`'s layout and checkpointing (and, for the planner, its micro-batch)."""
     cfg = run.cfg
     update = {"model": cfg.model.model_copy(update={"channels_last": s.channels_last,
@@ -197,7 +209,7 @@ def _config(run: Run, s: Settings, planned: bool = True):
     return cfg.model_copy(update=update)
 
 
-def predicted_peak(run: Run, s: Settings) -> int | None:
+def predicted_peak(run, s: Settings) -> int | None:
     """The planner's peak for `s` on a GPU (a trace per layout: seconds for a large model). On a
     CPU nothing is fitted against, so only the plan the run already has is given."""
     from .planner import estimate
@@ -213,7 +225,7 @@ def predicted_peak(run: Run, s: Settings) -> int | None:
         return None
 
 
-def fits(run: Run, cand: Candidate) -> bool:
+def fits(run, cand: Candidate) -> bool:
     """The planner's verdict on a GPU (a CPU has no budget to fit)."""
     from .planner import budget_bytes_for
 
@@ -224,7 +236,7 @@ def fits(run: Run, cand: Candidate) -> bool:
     return cand.predicted_peak_bytes <= budget_bytes_for(run.cfg, total_bytes=total)
 
 
-def first_batches(run: Run, n: int) -> list:
+def first_batches(run, n: int) -> list:
     """The run's own next `n` batches as its loader's dataset and sampler make them (read in this
     process; each sample's augmentation is a function of the sample, so nothing moves)."""
     from .data.loader import collate
@@ -236,7 +248,7 @@ def first_batches(run: Run, n: int) -> list:
     return [collate([ds[key] for key in share], getattr(ds, "image_size", None)) for share in shares]
 
 
-def measure(run: Run, s: Settings, batches: list) -> float | None:
+def measure(run, s: Settings, batches: list) -> float | None:
     """Images per second of this process's share at `s` (the slowest process's figure, so every
     process holds the same); None when a step ran out of memory on any process."""
     apply(run, s)
@@ -263,7 +275,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def apply(run: Run, s: Settings) -> None:
+def apply(run, s: Settings) -> None:
     """Make the run execute with `s`: the model's memory format and checkpointing, the step's
     micro-batch, the normaliser's layout, and the config and plan that record them."""
     from .data.loader import normalizer
@@ -284,7 +296,7 @@ def apply(run: Run, s: Settings) -> None:
 
 
 # ---------------------------------------------------------------------------------- the cache
-def cache_key(run: Run) -> str:
+def cache_key(run) -> str:
     """What a measured choice depends on: machine, device, model and its settings, the batch split
     and the library versions."""
     import timm
@@ -307,12 +319,16 @@ def _cache_file() -> Path:
 
 def cached(key: str) -> FitResult | None:
     try:
-        saved = json.loads(_cache_file().read_text())[key]
-        cands = [Candidate(Settings(**c["settings"]), c["predicted_peak_bytes"], c["images_per_second"],
-                           c["outcome"]) for c in saved["candidates"]]
-        return FitResult("fastest", cands, Settings(**saved["chosen"]), cached=True)
+        return from_dict(json.loads(_cache_file().read_text())[key])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def from_dict(saved: dict) -> FitResult:
+    """A FitResult as `as_dict` wrote it (the cache, a checkpoint's trainer state)."""
+    cands = [Candidate(Settings(**c["settings"]), c["predicted_peak_bytes"], c["images_per_second"], c["outcome"])
+             for c in saved["candidates"]]
+    return FitResult("fastest", cands, Settings(**saved["chosen"]), cached=True)
 
 
 def store(key: str, result: FitResult) -> None:
@@ -332,7 +348,7 @@ def store(key: str, result: FitResult) -> None:
         log.warning("note: the fit cache %s cannot be written (%s); the next run probes again", f, e.strerror or e)
 
 
-def _agreed_hit(run: Run, hit: FitResult | None) -> FitResult | None:
+def _agreed_hit(run, hit: FitResult | None) -> FitResult | None:
     """A cached choice is used only where every process holds the same one (the same machine
     kind everywhere); otherwise all probe."""
     device = run.launch.acc.device

@@ -169,7 +169,7 @@ def resumed_micro_batch(point: ResumePoint | None, world: int, allow_change: boo
     """The micro-batch the interrupted run had come down to after out-of-memory errors, when the
     new launch is the same shape (going back up would run out again, and with train-mode BatchNorm
     change the maths)."""
-    if point is None or allow_change or point.state.world_size != world:
-        return None
+    if point is None or allow_change or point.state.world_size != world or not point.state.oom_retries:
+        return None  # without an out-of-memory error the micro-batch was a choice, not a reduction
     mb = point.state.micro_batch
     return mb if isinstance(mb, int) and mb >= 1 else None

@@ -37,6 +37,7 @@ class TrainerState:
     train_seconds: float = 0.0  # over every segment of the run, as of the checkpoint
     train_samples: int = 0
     wall_seconds: float = 0.0
+    fit: dict = field(default_factory=dict)  # train.fit's choice (fit.FitResult.as_dict): a resume keeps it
 
     # What resume must not take from the checkpoint: it belongs to the new launch.
     LAUNCH_FIELDS = ("micro_batch", "phase", "world_size")
