@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# vramfit's own cache (the built-in data, the micro-batch and fit caches) is the session's: a
+# measured choice cached by another session (another version of the code) must not decide a test.
+os.environ.setdefault("VRAMFIT_CACHE", tempfile.mkdtemp(prefix="vramfit-test-cache-"))
 
 
 @pytest.fixture

@@ -105,6 +105,21 @@ def test_oom_on_one_rank_recovers_on_all(folder, tmp_path, micro_4):
     assert _close(_final(ref), _final(got))
 
 
+def test_fastest_fit_is_probed_and_agreed_on_by_every_process(folder, tmp_path, micro_4, monkeypatch):
+    """Both processes probe the same candidates; rank 1 alone 'runs out of memory' above 4 samples,
+    so the settings as written (the whole share of 8) fail on every process and a split wins."""
+    monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path / "cache"))
+    got = _run(folder, tmp_path, "fit", 2, "--set", "train.fit=fastest", "--set", "train.fit_probe_fraction=1.0",
+               "--set", "debug.simulate_oom_above=4", "--set", "debug.fault_rank=1")
+    s = json.loads((got / "summary.json").read_text())
+    fit = s["fit"]
+    assert fit["candidates"][0]["outcome"] == "out of memory" and fit["chosen"]["micro_batch"] <= 4
+    assert sum(c["outcome"] == "measured" for c in fit["candidates"]) >= 1
+    assert s["micro_batch"] == fit["chosen"]["micro_batch"] and s["oom_retries"] == 0
+    if fit["chosen"] == {"micro_batch": 4, "channels_last": False, "grad_checkpointing": False}:
+        assert _close(_final(micro_4), _final(got))
+
+
 def test_gradient_sums_start_in_the_last_micro_batch_without_ddp(tmp_path):
     """4 micro-batches per process per step: the model is not wrapped in DDP (the step's own
     reducer sums the gradients, once, after the last micro-batch's backward has produced them),

@@ -139,7 +139,9 @@ def search(run, base: Settings) -> tuple[list[Candidate], Settings]:
         tried.append(cand)
         if not agree_min(int(fits(run, cand)), device):
             cand.outcome = "dropped by the planner"
-        elif _agreed_seconds(time.perf_counter() - started, device) + cost <= budget:
+        elif not any(c.images_per_second for c in tried) or \
+                _agreed_seconds(time.perf_counter() - started, device) + cost <= budget:
+            # Until one fits, the probe does what the out-of-memory retry would do anyway.
             cand.images_per_second = measure(run, settings, batches)
             cand.outcome = "measured" if cand.images_per_second else "out of memory"
     apply(run, base)
