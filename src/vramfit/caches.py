@@ -7,6 +7,7 @@ setting that chooses it for good."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -77,3 +78,28 @@ def redirect_unwritable(base: Path | None = None) -> list[str]:
         notes.append(f"the {name} cache {folder} cannot be written: using {moved} for this run "
                      f"(set {env} to choose; HF_HOME or XDG_CACHE_HOME move them all)")
     return notes
+
+
+def read_entry(path: Path, key: str):
+    """One entry of a JSON cache file of entries (the micro-batch and fit caches); None when the
+    file, the entry or its JSON is missing."""
+    try:
+        return json.loads(Path(path).read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_entry(path: Path, key: str, value) -> None:
+    """Set one entry of a JSON cache file, replacing the file whole (a reader never sees half of
+    it); an unreadable file starts over. Raises OSError when it cannot be written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[key] = value
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from . import batching
+from .caches import read_entry, write_entry
 from .collectives import agree_max, agree_min
 
 log = logging.getLogger("vramfit")
@@ -321,8 +322,8 @@ def _cache_file() -> Path:
 
 def cached(key: str) -> FitResult | None:
     try:
-        return from_dict(json.loads(_cache_file().read_text())[key])
-    except (OSError, ValueError, KeyError, TypeError):
+        return from_dict(read_entry(_cache_file(), key))
+    except (KeyError, TypeError):
         return None
 
 
@@ -335,19 +336,11 @@ def from_dict(saved: dict) -> FitResult:
 
 def store(key: str, result: FitResult) -> None:
     """Best effort: a cache that cannot be written only means the next run probes again."""
-    f = _cache_file()
     try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError):
-            data = {}
-        data[key] = result.as_dict()
-        tmp = f.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, f)
+        write_entry(_cache_file(), key, result.as_dict())
     except OSError as e:
-        log.warning("note: the fit cache %s cannot be written (%s); the next run probes again", f, e.strerror or e)
+        log.warning("note: the fit cache %s cannot be written (%s); the next run probes again",
+                    _cache_file(), e.strerror or e)
 
 
 def _agreed_hit(run, hit: FitResult | None) -> FitResult | None:

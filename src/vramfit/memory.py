@@ -9,9 +9,7 @@ largest that fits. Results are cached per (device, model, image size, precision,
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +17,7 @@ import torch
 
 from .batching import largest_chunk
 from .builtin_data import cache_root
+from .caches import read_entry, write_entry
 from .config import Config
 
 log = logging.getLogger("vramfit")
@@ -39,22 +38,13 @@ def _cache_file() -> Path:
 
 def cached(key: str) -> int | None:
     try:
-        return int(json.loads(_cache_file().read_text())[key])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(read_entry(_cache_file(), key))
+    except (TypeError, ValueError):
         return None
 
 
 def store(key: str, micro: int) -> None:
-    f = _cache_file()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[key] = micro
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, f)
+    write_entry(_cache_file(), key, micro)
 
 
 def search(per_proc: int, start: int, budget: int, probe: Callable[[int], int | None]) -> tuple[int, list]:
