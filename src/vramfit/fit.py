@@ -150,9 +150,11 @@ def search(run, base: Settings) -> tuple[list[Candidate], Settings]:
     if not measured:  # even the settings as written ran out of memory: the OOM retry takes over
         return tried, base
     top = max(c.images_per_second for c in measured)
-    # Within 1% is a tie (timing noise): the one needing less memory wins.
+    # Within 1% is a tie (timing noise): the one needing less memory wins; a candidate without a
+    # prediction (a CPU plans only the settings as written) never wins a tie on memory it was not given.
     close = [c for c in measured if c.images_per_second >= 0.99 * top]
-    return tried, min(close, key=lambda c: (c.predicted_peak_bytes or 0, -c.images_per_second)).settings
+    return tried, min(close, key=lambda c: (c.predicted_peak_bytes is None, c.predicted_peak_bytes or 0,
+                                            -c.images_per_second)).settings
 
 
 def expected_step_seconds(compute: float, load: float, workers: int) -> float:
