@@ -195,10 +195,7 @@ class TrainStep:
             return self._fsdp_step(images, labels, step_samples, shares, stop_requested, bad_files, maths)
         undo = _Undo(self.model, self.device)
         while True:
-            count = batching.num_chunks(shares, self.state.micro_batch)
-            bounds = batching.chunk_bounds(labels.shape[0], count)
-            if self.horizon:
-                self.horizon.per_step(count)
+            bounds = self._bounds(labels, shares)
             retries_before = _alloc_retries(self.device)
             status, sums = self._attempt(images, labels, bounds, step_samples, stop_requested, maths)
             if status == Status.OK and _alloc_retries(self.device) > retries_before:
@@ -220,14 +217,10 @@ class TrainStep:
         """The forwards, backwards and gradient sums of a step at the current micro-batch, with no
         update: gradients, BatchNorm statistics and RNG are put back as an abandoned step's are
         (fit.py times candidates with it). False when it ran out of memory (on any process)."""
-        shares = batching.rank_shares(step_samples, world_size())
         undo = _Undo(self.model, self.device)
-        count = batching.num_chunks(shares, self.state.micro_batch)
-        if self.horizon:
-            self.horizon.per_step(count)
+        bounds = self._bounds(labels, batching.rank_shares(step_samples, world_size()))
         try:
-            status, sums = self._attempt(images, labels, batching.chunk_bounds(labels.shape[0], count),
-                                         step_samples, None, self.maths)
+            status, sums = self._attempt(images, labels, bounds, step_samples, None, self.maths)
             self.reducer.launch_rest()
             verdict = self.vote.vote(status, 0, 0, *sums)
             self.reducer.finish(apply=False)
@@ -235,6 +228,14 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             undo.restore()
         return verdict.status != Status.OOM
+
+    def _bounds(self, labels, shares: list[int]) -> list[tuple[int, int]]:
+        """This process's micro-batches at the current micro-batch (every process runs as many
+        as the largest share needs), with BatchNorm's momentum set for their count."""
+        count = batching.num_chunks(shares, self.state.micro_batch)
+        if self.horizon:
+            self.horizon.per_step(count)
+        return batching.chunk_bounds(labels.shape[0], count)
 
     def _attempt(self, images, labels, bounds, step_samples, stop_requested, maths: StepMaths):
         """The micro-batches; returns (status, (loss sum, hits)). An OOM leaves this frame and its

@@ -189,15 +189,14 @@ def neighbours(run, base: Settings) -> list[Settings]:
 def larger_with_checkpointing(run, base: Settings) -> int | None:
     """The largest micro-batch that fits the card with gradient checkpointing, when it is larger
     than `base`'s (None on a CPU: nothing to fit against, the whole share already runs at once)."""
-    from .planner import budget_bytes_for, pick_micro_batch
+    from .planner import pick_micro_batch
 
     L, per = run.launch, run.plan.micro.per_process_batch
     if base.grad_checkpointing or L.device_type != "cuda" or base.micro_batch >= per:
         return None
-    total = torch.cuda.get_device_properties(L.acc.device).total_memory
     cfg = _config(run, replace(base, grad_checkpointing=True))
     try:
-        pick, _ = pick_micro_batch(cfg, len(run.class_names), per, budget_bytes_for(cfg, total_bytes=total),
+        pick, _ = pick_micro_batch(cfg, len(run.class_names), per, card_budget(run),
                                    precision=L.precision.accelerate, num_processes=L.world)
     except Exception:  # noqa: BLE001 - a model the tracer cannot follow: no checkpointing candidate
         return None
@@ -230,15 +229,18 @@ def predicted_peak(run, s: Settings) -> int | None:
         return None
 
 
-def fits(run, cand: Candidate) -> bool:
-    """The planner's verdict on a GPU (a CPU has no budget to fit)."""
+def card_budget(run) -> int:
+    """What a step may use on the run's card (its total less the safety margin)."""
     from .planner import budget_bytes_for
 
-    L = run.launch
-    if L.device_type != "cuda" or cand.predicted_peak_bytes is None:
+    return budget_bytes_for(run.cfg, total_bytes=torch.cuda.get_device_properties(run.launch.acc.device).total_memory)
+
+
+def fits(run, cand: Candidate) -> bool:
+    """The planner's verdict on a GPU (a CPU has no budget to fit)."""
+    if run.launch.device_type != "cuda" or cand.predicted_peak_bytes is None:
         return True
-    total = torch.cuda.get_device_properties(L.acc.device).total_memory
-    return cand.predicted_peak_bytes <= budget_bytes_for(run.cfg, total_bytes=total)
+    return cand.predicted_peak_bytes <= card_budget(run)
 
 
 def first_batches(run, n: int) -> list:
