@@ -59,6 +59,26 @@ class ModelConfig(Section):
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
 
 
+class ProgressiveResize(Section):
+    """Progressive resizing, with Composer's names and defaults: the first `delay_fraction` of the
+    steps train at `initial_scale` x data.image_size, the size then grows linearly (in steps of
+    `size_increment` px) to the full size, reached when `finetune_fraction` of the steps is left.
+    Setting any one key turns it on with the others at their defaults (resize.Schedule)."""
+
+    initial_scale: float = Field(0.5, gt=0.0, le=1.0)
+    delay_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    finetune_fraction: float = Field(0.2, ge=0.0, le=1.0)
+    size_increment: int = Field(4, ge=1, le=256)
+
+    @model_validator(mode="after")
+    def _fractions(self):
+        if self.delay_fraction + self.finetune_fraction > 1.0:
+            raise ValueError(f"delay_fraction + finetune_fraction is {self.delay_fraction + self.finetune_fraction:g}, "
+                             "over 1: they are the shares of the steps before the ramp and after it; "
+                             "lower one of them")
+        return self
+
+
 class DataConfig(Section):
     # `digits` (built in), a local folder, a saved dataset / parquet path, or a Hub dataset id.
     source: str = "digits"
@@ -97,6 +117,16 @@ class DataConfig(Section):
     # Train/evaluate on a seeded random subset of this many images (smoke tests, quick sweeps).
     limit_train_samples: int | None = Field(None, ge=1)
     limit_val_samples: int | None = Field(None, ge=1)
+    # Train at smaller sizes early (ProgressiveResize; `true` or `{}`: Composer's defaults);
+    # evaluation stays at image_size. None: off.
+    progressive_resize: ProgressiveResize | None = None
+
+    @field_validator("progressive_resize", mode="before")
+    @classmethod
+    def _resize_switch(cls, v):
+        if isinstance(v, bool):  # `--set data.progressive_resize=true`: every default
+            return {} if v else None
+        return v
 
     @field_validator("num_workers")
     @classmethod

@@ -311,7 +311,7 @@ def cache_key(run) -> str:
     cfg, L = run.cfg, run.launch
     dev = torch.cuda.get_device_name(L.acc.device) if L.device_type == "cuda" else platform.processor() or "cpu"
     parts = (platform.node(), dev, os.cpu_count(), torch.get_num_threads(), torch.__version__, timm.__version__,
-             cfg.model.name, cfg.data.image_size, L.precision.name, L.world, run.plan.micro.per_process_batch,
+             cfg.model.name, cfg.data.image_size, cfg.data.progressive_resize, L.precision.name, L.world, run.plan.micro.per_process_batch,
              run.plan.micro.size, run.plan.micro.source, cfg.model.channels_last, cfg.model.grad_checkpointing,
              cfg.model.bn, ",".join(cfg.model.freeze), run.plan.phase, len(run.class_names), cfg.optim.name,
              cfg.train.compile, cfg.data.num_workers, cfg.debug.simulate_oom_above, cfg.debug.fp16_on_cpu)

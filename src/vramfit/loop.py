@@ -74,6 +74,7 @@ class Trainer:
     progress: Progress = None
     epoch_started: float = 0.0
     phase: Phase = None  # what trains now
+    size: int | None = None  # the image size the last step trained at (None: no step yet)
 
     def __post_init__(self):
         from .phases import phase_at
@@ -104,31 +105,43 @@ class Trainer:
             start = self.state.step_in_epoch if epoch == self.state.epoch else 0
             self.loaders.sampler.set_epoch(epoch, start)
             self.state.epoch = epoch
-            self.enter_phase(epoch)
             signum = self.train_epoch(epoch) or self.end_epoch(epoch)
             if signum:
                 return signum
         return 0
 
-    def enter_phase(self, epoch: int) -> None:
-        """Staged fine-tuning: at the first epoch of a phase, train what it trains, at its micro-batch."""
+    def settle(self, epoch: int) -> None:
+        """Before each step: staged fine-tuning (at a phase's first step, train what it trains) and
+        progressive resizing (the step's image size), each at its own plan's micro-batch. Within a
+        phase a growing size never raises the micro-batch an out-of-memory retry lowered."""
         from .phases import enter, phase_at
+
+        phase, size = phase_at(self.run.phases, epoch), self.run.sizes.size_at(self.state.global_step)
+        if (phase, size) == (self.phase, self.size):
+            return
+        if self.L.device_type == "cuda" and self.size is not None:  # the segment that ends: its measured peak
+            self.run.phase_peaks[(self.phase.name, self.size)] = torch.cuda.max_memory_reserved(self.L.acc.device)
+            torch.cuda.reset_peak_memory_stats(self.L.acc.device)
+        new_phase, plan = phase != self.phase, self.run.phase_plan(phase, size)
+        if new_phase:
+            enter(self.L.acc.unwrap_model(self.model), phase, self.phase)
+            self.model.train()
+        first = self.size is None
+        micro = plan.micro.size if first or new_phase else min(plan.micro.size, self.step.state.micro_batch)
+        said = not first and (new_phase or micro != self.step.state.micro_batch or self.run.sizes.on)
+        self.step.retarget(micro, plan.min_micro_batch)
+        self.progress.planned = plan.predicted_peak_bytes
+        self.phase, self.size = phase, size
+        if said and self.L.main:
+            self.say_segment(epoch, plan, micro, new_phase)
+
+    def say_segment(self, epoch: int, plan, micro: int, new_phase: bool) -> None:
         from .setup import phase_line
 
-        phase = phase_at(self.run.phases, epoch)
-        if phase == self.phase:
-            return
-        if self.L.device_type == "cuda":  # the phase that ends: its own measured peak
-            self.run.phase_peaks[self.phase.name] = torch.cuda.max_memory_reserved(self.L.acc.device)
-            torch.cuda.reset_peak_memory_stats(self.L.acc.device)
-        enter(self.L.acc.unwrap_model(self.model), phase, self.phase)
-        plan = self.run.phase_plan(phase)
-        self.step.retarget(plan.micro.size, plan.min_micro_batch)
-        self.progress.planned = plan.predicted_peak_bytes
-        self.model.train()
-        self.phase = phase
-        if self.L.main:
+        if new_phase:
             log.info("epoch %d: now training %s", epoch + 1, phase_line(self.cfg, plan))
+        if self.run.sizes.on:
+            log.info("global step %d: now at %d px, micro-batch %d", self.state.global_step + 1, self.size, micro)
 
     # ------------------------------------------------------------------------------ one epoch
     def train_epoch(self, epoch: int) -> int:
@@ -152,10 +165,12 @@ class Trainer:
 
     def train_one(self, batch, epoch: int, t_wait: float) -> int:
         st, cfg = self.state, self.cfg
-        if st.global_step == 0 or st.step_in_epoch == 0:
+        checked = self.size
+        self.settle(epoch)
+        if st.global_step == 0 or st.step_in_epoch == 0 or self.size != checked:
             from .data import check_batch_shape
 
-            check_batch_shape(batch.images, cfg.data.image_size)
+            check_batch_shape(batch.images, self.size)
         images, labels = self.run.augment(self.loaders.normalize(batch.images),
                                       batch.labels.to(self.L.acc.device, non_blocking=True), epoch,
                                       st.step_in_epoch, jitter=batch.jitter)
@@ -232,7 +247,7 @@ class Trainer:
             return
         self.runlog.log({"kind": "train", "epoch": epoch, "loss": res.loss,
                          "accuracy": res.correct / res.samples, "lr": lr, "grad_norm": res.grad_norm,
-                         "micro_batch": mb, "oom_retries": self.step.state.oom_retries,
+                         "micro_batch": mb, "image_size": self.size, "oom_retries": self.step.state.oom_retries,
                          "images_per_second": self.clock.images_per_second or 0.0,
                          "data_wait_fraction": self.clock.data_wait / max(self.clock.train_seconds, 1e-9),
                          **_memory_figures(self.L.acc.device)}, st.global_step)
@@ -354,7 +369,8 @@ def _check_bad_fraction(bad: dict, n: int, limit: float) -> None:
 def _full_copy(cfg, num_classes: int, state_dict: dict):
     from .models import create_model
 
-    module = create_model(cfg.model, num_classes, load_weights=False, image_size=cfg.data.image_size)
+    module = create_model(cfg.model, num_classes, load_weights=False, image_size=cfg.data.image_size,
+                          any_size=cfg.data.progressive_resize is not None)
     module.load_state_dict(state_dict)
     return module
 

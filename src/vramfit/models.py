@@ -39,11 +39,14 @@ def _norm(name: str) -> str:
 
 
 def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True,
-                 image_size: int | None = None) -> nn.Module:
-    """Build the model on CPU for `image_size` px inputs. `load_weights=False` skips any weight
+                 image_size: int | None = None, any_size: bool = False) -> nn.Module:
+    """Build the model on CPU for `image_size` px inputs (`any_size`: and for other sizes too, as
+    progressive resizing trains at: any_size_kwargs). `load_weights=False` skips any weight
     loading (memory planning)."""
     check_model_name(cfg.name)
     kwargs: dict = dict(num_classes=num_classes, drop_rate=cfg.drop_rate, **input_size_kwargs(cfg.name, image_size))
+    if any_size:
+        kwargs.update(any_size_kwargs(cfg.name))
     if cfg.drop_path_rate:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
     pretrained = load_weights and (cfg.pretrained or cfg.pretrained_path is not None)
@@ -109,6 +112,32 @@ def input_size_kwargs(name: str, image_size: int | None) -> dict:
     if pretrained_cfg is None or not pretrained_cfg.fixed_input_size or pretrained_cfg.input_size[-1] == image_size:
         return {}
     return {"img_size": image_size}
+
+
+# timm's arguments that let a model built for one input size take others: position embeddings
+# resampled to each input (`dynamic_img_size`), an input that is not a whole number of patches
+# padded (`dynamic_img_pad`). Tried in this order; ViTs take both, Swin the first.
+ANY_SIZE_KWARGS = ({"dynamic_img_size": True, "dynamic_img_pad": True}, {"dynamic_img_size": True})
+
+
+def any_size_kwargs(name: str) -> dict:
+    """What a model needs to take any input size: nothing for a CNN; for a model built for one
+    size (pretrained_cfg.fixed_input_size), the first of ANY_SIZE_KWARGS its constructor accepts
+    (tried on the meta device: nothing is allocated). {} when none is accepted: the forward at
+    another size then fails, which resize.check_backbone says."""
+    if name.startswith(_SOURCE_PREFIXES):
+        return {}
+    pretrained_cfg = timm.models.get_pretrained_cfg(name)
+    if pretrained_cfg is None or not pretrained_cfg.fixed_input_size:
+        return {}
+    for kwargs in ANY_SIZE_KWARGS:
+        try:
+            with torch.device("meta"):
+                timm.create_model(name, pretrained=False, num_classes=2, **kwargs)
+        except TypeError:
+            continue
+        return kwargs
+    return {}
 
 
 def _looks_offline(e: Exception) -> bool:

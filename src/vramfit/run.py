@@ -9,7 +9,7 @@ faults (debug injections).
 
 from __future__ import annotations
 
-from . import fit, launch, precision, setup, summary
+from . import fit, launch, precision, setup, sizeplan, summary
 from .config import Config
 from .runfolder import RunPaths
 
@@ -44,6 +44,8 @@ def _train(cfg: Config) -> tuple[int, dict]:
         # ---------------------------------------------------------------- data, model, optimizer, step
         run = setup.build(cfg, L, paths, start)
         run.fit = fit.choose(run)  # train.fit: fastest measures its candidates on the first batches
+        run.size_plans = sizeplan.plan_sizes(run)  # progressive resizing: a micro-batch per size
+        run.notes += [n for n in (sizeplan.size_note(run),) if n]
         setup.write_run_folder(run)
         runlog = RunLog(L.acc, paths.dir, use_trackers=bool(tracker_names(cfg.tracking.tracker)),
                         resumed_step=start.point.state.global_step if start.point else None)

@@ -25,6 +25,7 @@ from . import batching, checkpoint, resume
 from .collectives import agreed, broadcast_module
 from .config import Config
 from .errors import VramfitError
+from .resize import Schedule, schedule_of
 from .runfolder import RunPaths
 from .state import TrainerState
 from .tracking import environment, write_json
@@ -67,6 +68,8 @@ class Plan:
     phase: str = "all"  # the phase it is for (phases.Phase.name)
     trainable_params: int = 0  # in that phase
     min_micro_batch: int = 1  # freezing.min_micro_batch in that phase: the floor of its OOM retry
+    image_size: int | None = None  # progressive resizing: the size it is for (None: data.image_size)
+    predicted_at_size: int | None = None  # the size its predicted peak was traced at (sizeplan)
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -105,13 +108,18 @@ class Training:
     # Measured device peak (max_memory_reserved) of each phase this launch finished, by name.
     phase_peaks: dict[str, int]
     fit: FitResult | None  # train.fit: how the execution settings were chosen (fit.choose)
+    sizes: Schedule  # the image size of every step (progressive resizing; else the full size)
+    # Progressive resizing: the plan of each phase at each size below the full one, by (phase
+    # name, size) (sizeplan.plan_sizes, once the fit settled the execution).
+    size_plans: dict
 
     @property
     def micro(self) -> batching.MicroBatch:
         return self.plan.micro
 
-    def phase_plan(self, phase: Phase) -> Plan:
-        return self.plans[self.phases.index(phase)]
+    def phase_plan(self, phase: Phase, size: int | None = None) -> Plan:
+        """The plan of `phase` at image size `size` (None: the full size)."""
+        return self.size_plans.get((phase.name, size)) or self.plans[self.phases.index(phase)]
 
     def plan_text(self) -> str | None:
         """The memory plan as `vramfit plan` prints it, for the out-of-memory error."""
@@ -153,7 +161,8 @@ def build(cfg: Config, L: Launch, paths: RunPaths, start: Start | None = None) -
     faults = Faults(cfg.debug, L.rank)
     faults.install(t.model, t.step)
     eval_batch = batching.eval_batch(cfg.train.eval_batch, t.micro)
-    loaders = build_loaders(cfg, splits, t.data_cfg, L.acc, eval_batch, t.seconds_per_sample)
+    loaders = build_loaders(cfg, splits, t.data_cfg, L.acc, eval_batch, t.seconds_per_sample,
+                            size_at=t.sizes.size_at if t.sizes.on else None)
     augment = DeviceAugment(cfg.data, len(splits.class_names), cfg.train.label_smoothing, cfg.train.seed,
                             L.rank, mean=t.data_cfg["mean"], std=t.data_cfg["std"], device_type=L.acc.device.type)
     return Run(**{f.name: getattr(t, f.name) for f in fields(Training)}, paths=paths, start=start,
@@ -185,7 +194,8 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
                      bn_momentum_per_step=cfg.model.bn_momentum_per == "step")
     notes = training_notes(cfg, L, len(class_names), optimizer, plans)
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
-                    state, step, seconds, phases, plans, notes, phase_peaks={}, fit=None)
+                    state, step, seconds, phases, plans, notes, phase_peaks={}, fit=None,
+                    sizes=schedule_of(cfg, steps_per_epoch), size_plans={})
 
 
 def plan_phases(cfg: Config, L: Launch, num_classes: int, model, phases: list[Phase], point) -> list[Plan]:
@@ -254,8 +264,9 @@ def claimed(cfg: Config, L: Launch, paths: RunPaths):
 
 def preflight(cfg: Config, L: Launch) -> None:
     """What the settings refuse, said before any data is loaded or weights are fetched: BatchNorm
-    sync or staged fine-tuning under FSDP, and a `model.freeze` / staged fine-tuning the model
-    cannot take (its names checked on a weightless copy). Every process refuses alike."""
+    sync or staged fine-tuning under FSDP, a `model.freeze` / staged fine-tuning the model
+    cannot take (its names checked on a weightless copy) and image sizes it cannot take
+    (progressive resizing). Every process refuses alike."""
     from accelerate.utils import DistributedType
 
     fsdp = L.acc.distributed_type == DistributedType.FSDP or os.environ.get(
@@ -277,6 +288,10 @@ def preflight(cfg: Config, L: Launch) -> None:
         with torch.device("meta"):
             model = create_model(cfg.model, 2, load_weights=False, image_size=cfg.data.image_size)
         phases_of(cfg, model)
+    if cfg.data.progressive_resize is not None:
+        from .resize import check_backbone
+
+        check_backbone(cfg)
 
 
 def find_start(cfg: Config, L: Launch, paths: RunPaths) -> Start:
@@ -359,7 +374,8 @@ def build_model(cfg: Config, L: Launch, num_classes: int) -> tuple[torch.nn.Modu
 
     set_seed(cfg.train.seed)  # same initial weights on every process (and broadcast below)
     with agreed("building the model", L.acc.device):
-        model = create_model(cfg.model, num_classes, image_size=cfg.data.image_size)
+        model = create_model(cfg.model, num_classes, image_size=cfg.data.image_size,
+                             any_size=cfg.data.progressive_resize is not None)
         data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
     if cfg.model.bn == "sync":
         model = sync_norms(model, L)

@@ -41,17 +41,30 @@ def build(run, clock) -> dict:
 
 
 def phases(run, now: int | None = None) -> list[dict]:
-    """What trained when: one entry per phase (phases.Phase), with its plan and, on a GPU, its
-    measured peak (max_memory_reserved, as `predicted_reserved_bytes` plans it: no CUDA context);
-    None for a phase this launch did not run (it ran before a resume, or is still to come)."""
-    from .phases import phase_at
+    """What trained when: one entry per phase (phases.Phase) and, with progressive resizing, per
+    image size within it (resize.segments), with its plan and, on a GPU, its measured peak
+    (max_memory_reserved, as `predicted_reserved_bytes` plans it: no CUDA context); None for one
+    this launch did not run (it ran before a resume, or is still to come)."""
+    from .resize import segments
 
-    standing = phase_at(run.phases, run.state.epoch)
-    return [{"name": p.name, "first_epoch": p.first_epoch + 1, "epochs": p.epochs,
-             "trainable_params": plan.trainable_params, "micro_batch": plan.micro.size,
-             "predicted_peak_bytes": plan.predicted_peak_bytes, "predicted_reserved_bytes": plan.reserved_bytes,
-             "measured_peak_bytes": run.phase_peaks.get(p.name, now if p is standing else None)}
-            for p, plan in zip(run.phases, run.plans)]
+    spe, step = run.steps_per_epoch, run.state.global_step
+    parts = segments(run.phases, run.sizes, spe)
+    standing = next((i for i, (_, sp) in enumerate(parts) if sp.first_step <= step < sp.end_step), len(parts) - 1)
+    out = []
+    for i, (p, span) in enumerate(parts):
+        full = span.image_size == run.cfg.data.image_size
+        plan = run.phase_plan(p, None if full else span.image_size)
+        epochs = span.steps / spe
+        out.append({"name": p.name, "first_epoch": span.first_step // spe + 1,
+                    "epochs": int(epochs) if epochs.is_integer() else round(epochs, 3),
+                    "image_size": span.image_size, "first_step": span.first_step + 1, "steps": span.steps,
+                    "trainable_params": plan.trainable_params, "micro_batch": plan.micro.size,
+                    "predicted_peak_bytes": plan.predicted_peak_bytes,
+                    "predicted_at_size": plan.predicted_at_size or span.image_size,
+                    "predicted_reserved_bytes": plan.reserved_bytes,
+                    "measured_peak_bytes": run.phase_peaks.get((p.name, span.image_size),
+                                                                now if i == standing else None)})
+    return out
 
 
 def say_start(run) -> None:

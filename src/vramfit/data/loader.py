@@ -76,6 +76,25 @@ def build_transforms(cfg: DataConfig, data_cfg: dict, device_type: str = "cpu"):
     return train, val
 
 
+class SizedTransforms:
+    """timm's train transform at any size (progressive resizing: resize.Schedule), each made once
+    per process when first asked for, with the JPEG draft size it needs."""
+
+    def __init__(self, cfg: DataConfig, data_cfg: dict, device_type: str):
+        self.cfg, self.data_cfg, self.device_type = cfg, dict(data_cfg), device_type
+        self._made: dict[int, tuple] = {}
+
+    def __call__(self, size: int) -> tuple:
+        if size not in self._made:
+            sized = {**self.data_cfg, "input_size": (3, size, size)}
+            train = build_transforms(self.cfg, sized, self.device_type)[0]
+            self._made[size] = (train, draft_size(train, size))
+        return self._made[size]
+
+    def __getstate__(self):  # sent to the loader workers without what this process made
+        return {**self.__dict__, "_made": {}}
+
+
 def draft_size(transform, image_size: int) -> int:
     """The shorter side a JPEG must keep when decoded at reduced size (`decode_image` target), read
     off the transform that will consume the image, so the draft always follows the crop settings.
@@ -137,18 +156,25 @@ class ImageDataset(torch.utils.data.Dataset):
     deterministic other sample (train) or masked out (eval), and reported by name."""
 
     def __init__(self, hf, image_col, label_col, transform, image_size, seed, train: bool,
-                 device_jitter: float | None = None):
+                 device_jitter: float | None = None, sized: SizedTransforms | None = None):
         self.hf, self.image_col, self.label_col = hf, image_col, label_col
         self.transform, self.image_size, self.seed, self.train = transform, image_size, seed, train
         self.device_jitter = device_jitter  # strength of the colour jitter the device applies
         self.draft = draft_size(transform, image_size)
+        self.sized = sized  # the transform at a step's own size (a train key's fourth part)
+
+    def _transform_at(self, size: int | None) -> tuple:
+        """The transform for `size` px and its draft size (`size` None: the dataset's own)."""
+        if size is None or size == self.image_size or self.sized is None:
+            return self.transform, self.draft
+        return self.sized(size)
 
     def __len__(self):
         return len(self.hf)
 
-    def _load(self, i):
+    def _load(self, i, draft: int):
         row = self.hf[int(i)]
-        img, (w, h) = decode_with_size(row[self.image_col], self.draft)
+        img, (w, h) = decode_with_size(row[self.image_col], draft)
         note = None
         if w * h > (Image.MAX_IMAGE_PIXELS or math.inf):
             note = Note("huge", f"huge images are decoded every epoch (e.g. {describe(row[self.image_col])}: "
@@ -156,38 +182,41 @@ class ImageDataset(torch.utils.data.Dataset):
                                 f"`vramfit prepare` shrinks a dataset once")
         return img, int(row[self.label_col]), note
 
-    def _empty(self, index: int, step_n: int, bad: str = "", stop: str = "") -> Sample:
+    def _empty(self, index: int, step_n: int, bad: str = "", stop: str = "", size: int | None = None) -> Sample:
         jitter = NO_JITTER if self.device_jitter else None
-        return Sample(torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8), -1, index,
-                      step_n, bad, stop, jitter=jitter)
+        side = size or self.image_size
+        return Sample(torch.zeros(3, side, side, dtype=torch.uint8), -1, index, step_n, bad, stop, jitter=jitter)
 
     def __getitem__(self, key) -> Sample:
-        index, epoch, step_n = key if self.train else (key, 0, 0)
+        # A train key: (index, epoch, step_samples[, image size of the step]); eval: the index.
+        index, epoch, step_n, size = (tuple(key) + (None,))[:4] if self.train else (key, 0, 0, None)
         if index == NO_SAMPLE:
-            return self._empty(index, step_n)
+            return self._empty(index, step_n, size=size)
+        transform, draft = self._transform_at(size)
         bad = ""
         try:
-            img, label, note = self._load(index)
+            img, label, note = self._load(index, draft)
         except BadImage as e:
             bad = f"{describe(self.hf[int(index)][self.image_col])}: {e}"
             if not self.train:
                 return self._empty(index, step_n, bad)
             try:
-                img, label, note = self._replacement(index)
+                img, label, note = self._replacement(index, draft)
             except _NothingReadable as e:
-                return self._empty(index, step_n, bad, stop=_no_readable_message([bad, *e.tried], len(self.hf)))
+                return self._empty(index, step_n, bad, stop=_no_readable_message([bad, *e.tried], len(self.hf)),
+                                   size=size)
         with SeededRNG(mix_seed(self.seed, epoch, index, "aug")), quiet_bomb_warnings():
-            x = self.transform(img)  # a crop of a huge image warns again
+            x = transform(img)  # a crop of a huge image warns again
             jitter = jitter_params(self.device_jitter) if self.device_jitter else None
         return Sample(x, label, index, step_n, bad, note=note, jitter=jitter)
 
-    def _replacement(self, index):
+    def _replacement(self, index, draft: int):
         # Same replacement on every run (a function of the index only), so resume stays exact.
         n, tried = len(self.hf), []
         for k in range(1, REPLACEMENT_TRIES + 1):
             j = (index + k * 7919) % n
             try:
-                return self._load(j)
+                return self._load(j, draft)
             except BadImage as e:
                 tried.append(f"{describe(self.hf[int(j)][self.image_col])}: {e}")
         raise _NothingReadable(tried)
@@ -236,8 +265,8 @@ def collate(items: list, image_size: int | None = None) -> Batch:
     real = [it for it in items if it.index != NO_SAMPLE]
     if real:
         images = stack_images([it.image for it in real])
-    else:
-        side = image_size or (items[0].image.shape[-1] if items else 0)
+    else:  # the placeholder has the step's size (progressive resizing)
+        side = items[0].image.shape[-1] if items else (image_size or 0)
         images = torch.empty((0, 3, side, side), dtype=torch.uint8)
     jitter = torch.stack([it.jitter for it in real]) if real and real[0].jitter is not None else None
     return Batch(images, torch.tensor([it.label for it in real], dtype=torch.long),
@@ -342,17 +371,19 @@ def seconds_per_sample(ds: ImageDataset, sampler: StepBatchSampler, budget: floa
 
 
 def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval_batch: int,
-                  compute_seconds: float | None = None) -> Loaders:
+                  compute_seconds: float | None = None, size_at: Callable[[int], int] | None = None) -> Loaders:
     """The train and validation loaders of a run, for this process of `accelerator`.
     `compute_seconds` (a CPU run: what one training sample costs the model) lets `num_workers:
-    auto` be measured rather than guessed."""
+    auto` be measured rather than guessed; `size_at` (progressive resizing: resize.Schedule.size_at)
+    gives each training step its image size (evaluation stays at data.image_size)."""
     device_type = accelerator.device.type
     train_tf, val_tf = build_transforms(cfg.data, data_cfg, device_type)
     sampler = StepBatchSampler(len(splits.train), cfg.train.global_batch, accelerator.process_index,
-                               accelerator.num_processes, cfg.train.seed)
+                               accelerator.num_processes, cfg.train.seed, size_at=size_at)
     train_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf,
                             cfg.data.image_size, cfg.train.seed, train=True,
-                            device_jitter=device_jitter(cfg.data, device_type))
+                            device_jitter=device_jitter(cfg.data, device_type),
+                            sized=SizedTransforms(cfg.data, data_cfg, device_type) if size_at else None)
     val_ds = ImageDataset(splits.val, splits.image_column, splits.label_column, val_tf,
                           cfg.data.image_size, cfg.train.seed, train=False)
     measure = None if compute_seconds is None else (lambda: (seconds_per_sample(train_ds, sampler), compute_seconds))

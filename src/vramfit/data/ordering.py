@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from typing import Callable
 
 import numpy as np
 import torch
@@ -24,7 +25,8 @@ def mix_seed(*parts) -> int:
 
 class StepBatchSampler:
     """Yields this process's share of each optimizer batch, as (index, epoch, step_samples) keys, where
-    step_samples is the size of the whole optimizer batch across processes.
+    step_samples is the size of the whole optimizer batch across processes (and, with `size_at`,
+    the step's image size as a fourth part).
 
     Written by hand because the order must not depend on the process count (the same global batch at
     1 or 8 processes) and must restart at any step; samplers from torch/Accelerate shard per process
@@ -32,10 +34,14 @@ class StepBatchSampler:
     `NO_SAMPLE` key, which the dataset and `collate` turn into an empty batch for that step.
     """
 
-    def __init__(self, num_samples: int, global_batch: int, rank: int, num_processes: int, seed: int):
+    def __init__(self, num_samples: int, global_batch: int, rank: int, num_processes: int, seed: int,
+                 size_at: Callable[[int], int] | None = None):
         self.n, self.global_batch, self.seed = num_samples, global_batch, seed
         self.rank, self.num_processes = rank, num_processes
         self.epoch, self.start_step = 0, 0
+        # Progressive resizing (resize.Schedule.size_at): the image size of each global step, which
+        # the keys carry to the dataset as their fourth part.
+        self.size_at = size_at
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         self.epoch, self.start_step = epoch, start_step
@@ -48,11 +54,13 @@ class StepBatchSampler:
         return torch.randperm(self.n, generator=g).tolist()
 
     def __iter__(self):
-        order = self.global_order(self.epoch)
-        for step in range(self.start_step, batching.steps_per_epoch(self.n, self.global_batch)):
+        order, per_epoch = self.global_order(self.epoch), batching.steps_per_epoch(self.n, self.global_batch)
+        for step in range(self.start_step, per_epoch):
             chunk = order[step * self.global_batch:(step + 1) * self.global_batch]
             share = batching.rank_slice(chunk, self.rank, self.num_processes)
-            yield [(i, self.epoch, len(chunk)) for i in share] or [(NO_SAMPLE, self.epoch, len(chunk))]
+            size = () if self.size_at is None else (self.size_at(self.epoch * per_epoch + step),)
+            yield ([(i, self.epoch, len(chunk), *size) for i in share]
+                   or [(NO_SAMPLE, self.epoch, len(chunk), *size)])
 
 
 class SeededRNG:
