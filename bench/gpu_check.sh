@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks for a machine with a CUDA GPU (about 5 minutes on one H200).
+# The checks for a machine with a CUDA GPU (several minutes on one H200; not yet timed there).
 #
 #   OUT=results bash bench/gpu_check.sh
 #
@@ -16,7 +16,9 @@
 # recipe_rtx3060_staged.txt/.json (the same with train.freeze_epochs=1 over two epochs: ResNet50 at
 # 224 px head-only, then whole, each phase's measured peak against its own plan);
 # fit_sweep_resnet50.txt / fit_sweep_efficientnet_b0.txt (train.fit: fastest's pick and probe cost
-# beside every candidate trained directly, capped at 12 GiB).
+# beside every candidate trained directly, capped at 12 GiB);
+# progressive_resnet50.txt / progressive_efficientnet_b0.txt (fixed 224 px against progressive
+# resizing over three seeds, the same cap: accuracy and wall).
 # Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +66,12 @@ OUT="$OUT" $PY bench/recipe_run.py --recipe rtx3060 --staged --train-samples 512
 for m in resnet50 efficientnet_b0; do
   $PY bench/fit_sweep.py --recipe rtx3060 --model "$m" --image-size 224 --train-samples 1024 --rounds 1 \
     --json "$OUT/fit_sweep_$m.json" 2>"$OUT/fit_sweep_$m.log" | tee "$OUT/fit_sweep_$m.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+# Progressive resizing against the fixed size, the same models and cap (three seeds, short runs).
+for m in resnet50 efficientnet_b0; do
+  $PY bench/progressive.py --recipe rtx3060 --model "$m" --image-size 224 --train-samples 1024 --epochs 4 \
+    --json "$OUT/progressive_$m.json" 2>"$OUT/progressive_$m.log" | tee "$OUT/progressive_$m.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 exit "$status"

@@ -185,3 +185,14 @@ def test_loader_workers_crop_each_step_at_its_size(tmp_path, workers):
     sampler = D.StepBatchSampler(len(ds), 4, 0, 1, 0, size_at=sched.size_at)
     shapes = [tuple(b.images.shape[-2:]) for b in D.make_loader(ds, batch_sampler=sampler, workers=workers)]
     assert shapes == [(sched.size_at(i),) * 2 for i in range(3)] and shapes[0] == (16, 16)
+
+
+def test_an_out_of_memory_retry_holds_at_every_larger_size(train_cli):
+    # Every forward over 8 images "runs out of memory": the first step comes down to 8, and no
+    # later, larger size goes back up.
+    run_dir, code = train_cli(*tiny_args(*RESIZE, "--set", "debug.simulate_oom_above=8"), run_name="oom")
+    assert code == 0
+    rows = [r for r in metrics(run_dir) if r.get("kind") == "train"]
+    assert {r["micro_batch"] for r in rows} == {8} and len({r["image_size"] for r in rows}) >= 3
+    s = _summary(run_dir)
+    assert s["oom_retries"] == 1 and s["micro_batch"] == 8 and s["finished"]

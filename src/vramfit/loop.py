@@ -236,9 +236,10 @@ class Trainer:
         """An out-of-memory retry or a micro-batch change, said the moment it happened."""
         if not self.L.main:
             return
+        at = f" ({self.size} px)" if self.run.sizes.on else ""
         for change in self.step.state.history[before:]:
-            log.warning("%s at micro-batch %d: global step %d ran again at micro-batch %d, as every step will "
-                        "from here on (same batch, same maths)", change["why"], change["from"],
+            log.warning("%s at micro-batch %d%s: global step %d ran again at micro-batch %d, as every step will "
+                        "from here on (same batch, same maths)", change["why"], change["from"], at,
                         self.state.global_step + 1, change["to"])
 
     def report(self, res, epoch: int, lr: float) -> None:
