@@ -330,8 +330,6 @@ def test_two_machines_over_loopback_equal_two_processes_on_one(folder, tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="known bug: the restarted round's gloo mesh fails to connect (connectFullMesh, "
-                          "connection refused) on CPU; see docs/distributed.md", strict=False)
 def test_a_worker_killed_under_torchrun_max_restarts_resumes_to_the_same_weights(folder, tmp_path):
     """An elastic job (`torchrun --max-restarts 1`) loses a worker mid-run (SIGKILL on rank 1 after
     step 5, the first attempt only): torchrun restarts both, the new round resumes from the step-4

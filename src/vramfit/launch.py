@@ -75,6 +75,25 @@ def set_threads(local_processes: int) -> str:
     return f"{torch.get_num_threads()} torch threads"
 
 
+def _join_elastic_round(device_type: str) -> None:
+    """Under torchrun on CPU, the process group is made here, on a key space of this round's own.
+    torchrun's agent keeps one TCPStore for the whole job, and torch's env:// rendezvous hands the
+    workers of every round a plain client of it (torch 2.x's `_create_c10d_store`: "a new TCPStore
+    for every retry, so no prefix"), so the workers of a round restarted after a worker died can
+    read the dead round's gloo addresses, whichever process asks first (connectFullMesh: connection
+    refused, or a hang). A PrefixStore named by TORCHELASTIC_RESTART_COUNT keeps the rounds apart.
+    Accelerate takes an initialised group as it is."""
+    import torch.distributed as dist
+
+    if (device_type != "cpu" or not os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1")) < 2
+            or not dist.is_available() or dist.is_initialized()):
+        return
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"vramfit/round_{attempt}", store), rank=rank,
+                            world_size=world)
+
+
 def start(cfg, run_dir: Path | None = None) -> Launch:
     """The process's Accelerator, in the precision `precision.here(cfg)` resolves; with the run's
     trackers when `run_dir` is given (TensorBoard writes into it), none without (lr-find, benches)."""
@@ -92,6 +111,7 @@ def start(cfg, run_dir: Path | None = None) -> Launch:
     check_gpu_recipe(cfg, torch.cuda.is_available())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     precision = precisions.here(cfg)
+    _join_elastic_round(device_type)
     acc = Accelerator(mixed_precision=precision.accelerate,
                       cpu=device_type == "cpu",  # without it Accelerate ignores a torchrun world on CPU
                       log_with=log_with(cfg, run_dir) if run_dir is not None else None,
