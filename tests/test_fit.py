@@ -130,3 +130,58 @@ def test_a_resume_keeps_a_smaller_chosen_micro_batch_without_probing(train_cli, 
     assert "out-of-memory" not in caplog.text
     a, b = _last_weights(ref_dir), _last_weights(cut_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_compile_auto_is_probed_only_where_the_budget_pays_for_compiling(train_cli, fit_cache):
+    run_dir, code = train_cli(*tiny_args(*FASTEST, "--set", "train.compile=auto"), run_name="short")
+    assert code == 0
+    cands = _summary(run_dir)["fit"]["candidates"]
+    compiled = [c for c in cands if c["settings"]["compile"]]
+    assert len(compiled) == 1 and compiled[0]["outcome"].startswith("not probed (compiling needs")
+    assert not _summary(run_dir)["fit"]["chosen"]["compile"]
+
+
+def test_a_compilation_that_fails_leaves_the_eager_choice(train_cli, fit_cache, monkeypatch):
+    from vramfit import fit
+
+    def no_compiler(self, *a, **k):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(fit, "COMPILE_PROBE_SECONDS", float("-inf"))  # whatever the budget
+    monkeypatch.setattr(torch.nn.Module, "compile", no_compiler)
+    run_dir, code = train_cli(*tiny_args(*FASTEST, "--set", "train.compile=auto"), run_name="nocc")
+    assert code == 0
+    fit_ = _summary(run_dir)["fit"]
+    compiled = [c for c in fit_["candidates"] if c["settings"]["compile"]]
+    assert compiled[0]["outcome"] == "compile failed (RuntimeError: no C++ compiler found)"
+    assert not fit_["chosen"]["compile"] and _summary(run_dir)["finished"]
+
+
+def test_compile_auto_under_largest_is_off(train_cli, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        run_dir, code = train_cli(*tiny_args("--set", "train.compile=auto"), run_name="largest")
+    assert code == 0
+    assert "train.compile: auto is measured by train.fit: fastest only" in caplog.text
+
+
+@pytest.mark.slow  # compiling test_resnet with inductor takes ~40 s on 2 CPU cores
+def test_a_probed_compilation_trains_as_the_chosen_settings_given_directly(train_cli, fit_cache, monkeypatch):
+    from vramfit import fit
+
+    monkeypatch.setattr(fit, "COMPILE_PROBE_SECONDS", float("-inf"))  # whatever the budget
+    small = ("--set", "data.limit_train_samples=64", "--set", "data.limit_val_samples=32")
+    fast_dir, code = train_cli(*tiny_args(*FASTEST, *small, "--set", "train.compile=auto"), run_name="fast")
+    assert code == 0
+    fit_ = _summary(fast_dir)["fit"]
+    compiled = [c for c in fit_["candidates"] if c["settings"]["compile"]]
+    assert compiled[0]["outcome"] == "measured" and compiled[0]["images_per_second"] > 0
+    chosen = fit_["chosen"]
+    direct_dir, code = train_cli(*tiny_args(*small, "--micro-batch", str(chosen["micro_batch"]), "--set",
+                                            f"model.channels_last={str(chosen['channels_last']).lower()}",
+                                            "--set", f"train.compile={str(chosen['compile']).lower()}"),
+                                 run_name="direct")
+    assert code == 0
+    a, b = _last_weights(fast_dir), _last_weights(direct_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)

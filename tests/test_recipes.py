@@ -170,6 +170,10 @@ def _end_to_end(path, train_cli, tmp_path, photos, capsys, own_model: bool, imag
     fastest = fit["mode"] == "fastest"
     if fastest:
         assert fit["candidates"][0]["outcome"] == "out of memory"
+    if raw.get("train", {}).get("compile") == "auto":  # measured only where the budget pays for compiling
+        compiled = [c for c in fit["candidates"] if c["settings"]["compile"]]
+        assert len(compiled) == 1 and compiled[0]["outcome"].startswith("not probed")
+        assert not fit["chosen"]["compile"]
     assert (summary["micro_batch"], summary["grad_accum_steps"], summary["oom_retries"]) == (
         GLOBAL_BATCH // 2, 2, 0 if fastest else 1)
     assert summary["skipped_steps"] < summary["global_step"]  # fp16: the loss scale let steps through

@@ -153,8 +153,10 @@ class TrainConfig(Section):
     # (input shapes are fixed here, so it pays off after the first step; as timm's train.py does).
     cudnn_benchmark: bool = True
     # torch.compile the model once the micro-batch is settled (its first steps then pay the
-    # compilation: worth it on long GPU runs, rarely on short CPU ones).
-    compile: bool = False
+    # compilation: worth it on long GPU runs, rarely on short CPU ones). `auto`: `train.fit:
+    # fastest` measures it against eager where the probe budget pays for a compilation (fit.py);
+    # off otherwise.
+    compile: bool | Literal["auto"] = False
     # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
     max_consecutive_skipped_steps: int = Field(25, ge=1)
     # Staged fine-tuning: the first N epochs train only the classifier head (the rest frozen, its

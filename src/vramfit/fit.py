@@ -1,5 +1,6 @@
 """`train.fit: fastest`: of the execution settings that leave a step's maths unchanged (the
-micro-batch, channels_last, gradient checkpointing), the fastest that fits, chosen by measurement.
+micro-batch, channels_last, gradient checkpointing; torch.compile with `train.compile: auto`), the
+fastest that fits, chosen by measurement.
 
 The planner drops what will not fit; the rest are timed on the run's own first batches, on the
 device it trains on, with the step it trains with (`TrainStep.rehearse`: forwards, backwards and
@@ -39,6 +40,11 @@ log = logging.getLogger("vramfit")
 
 WARMUP_STEPS = 1  # a new layout or split allocates and (cuDNN) benchmarks on its first step
 TIMED_STEPS = 2  # the fastest of these is the candidate's time (least disturbed by other jobs)
+# What the probe sets aside for compiling a candidate (`train.compile: auto`) before its first
+# step: its warm-up pays the whole compilation, whose length is only known afterwards. inductor
+# takes ~40 s for test_resnet on 2 CPU cores (tests/test_compile.py) and about as long for a
+# ResNet50 on a GPU host; the probe compiles only where its budget has this much left.
+COMPILE_PROBE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,11 @@ class Settings:
     micro_batch: int
     channels_last: bool
     grad_checkpointing: bool
+    compile: bool = False
 
     def label(self) -> str:
         return (f"micro {self.micro_batch}" + (", channels_last" if self.channels_last else "")
-                + (", checkpointing" if self.grad_checkpointing else ""))
+                + (", checkpointing" if self.grad_checkpointing else "") + (", compiled" if self.compile else ""))
 
 
 @dataclass
@@ -80,7 +87,7 @@ class FitResult:
 
 def current(run) -> Settings:
     m = run.cfg.model
-    return Settings(run.step.state.micro_batch, m.channels_last, m.grad_checkpointing)
+    return Settings(run.step.state.micro_batch, m.channels_last, m.grad_checkpointing, run.cfg.train.compile is True)
 
 
 def choose(run) -> FitResult:
@@ -121,7 +128,7 @@ def resumed(run) -> FitResult | None:
 
 def search(run, base: Settings) -> tuple[list[Candidate], Settings]:
     """Greedy: from the settings as written, try one change at a time while the budget lasts."""
-    device = run.launch.acc.device
+    device, compile_auto = run.launch.acc.device, run.cfg.train.compile == "auto"  # before apply records a choice
     started = time.perf_counter()
     batches = first_batches(run, WARMUP_STEPS + TIMED_STEPS)
     load_seconds = (time.perf_counter() - started) / len(batches)  # reading one batch in one process
@@ -145,16 +152,44 @@ def search(run, base: Settings) -> tuple[list[Candidate], Settings]:
             # Until one fits, the probe does what the out-of-memory retry would do anyway.
             cand.images_per_second = measure(run, settings, batches)
             cand.outcome = "measured" if cand.images_per_second else "out of memory"
-    apply(run, base)
     measured = [c for c in tried if c.images_per_second]
+    if measured and compile_auto:
+        tried.append(probe_compiled(run, leader(measured), batches,
+                                    budget - _agreed_seconds(time.perf_counter() - started, device)))
+        measured = [c for c in tried if c.images_per_second]
+    apply(run, base)
     if not measured:  # even the settings as written ran out of memory: the OOM retry takes over
         return tried, base
+    return tried, leader(measured).settings
+
+
+def leader(measured: list[Candidate]) -> Candidate:
+    """The fastest of the measured candidates."""
     top = max(c.images_per_second for c in measured)
     # Within 1% is a tie (timing noise): the one needing less memory wins; a candidate without a
     # prediction (a CPU plans only the settings as written) never wins a tie on memory it was not given.
     close = [c for c in measured if c.images_per_second >= 0.99 * top]
-    return tried, min(close, key=lambda c: (c.predicted_peak_bytes is None, c.predicted_peak_bytes or 0,
-                                            -c.images_per_second)).settings
+    return min(close, key=lambda c: (c.predicted_peak_bytes is None, c.predicted_peak_bytes or 0,
+                                     -c.images_per_second))
+
+
+def probe_compiled(run, best: Candidate, batches: list, left: float) -> Candidate:
+    """`train.compile: auto`: the leader compiled, measured where the budget has
+    COMPILE_PROBE_SECONDS left; a compilation that fails (no compiler, an unsupported op) is a
+    candidate that lost, said in its outcome. Every process decides on the same agreed figures."""
+    cand = Candidate(replace(best.settings, compile=True), best.predicted_peak_bytes)
+    if left < COMPILE_PROBE_SECONDS:
+        cand.outcome = f"not probed (compiling needs ~{COMPILE_PROBE_SECONDS:.0f} s, {max(left, 0):.0f} s of budget left)"
+        return cand
+    try:
+        cand.images_per_second = measure(run, cand.settings, batches)
+        cand.outcome = "measured" if cand.images_per_second else "out of memory"
+    except Exception as e:  # noqa: BLE001 - whatever stops torch.compile, the eager candidates stand
+        cand.outcome = f"compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+    failed = agree_max(int(cand.outcome.startswith("compile failed")), run.launch.acc.device)
+    if failed and cand.images_per_second:  # another process's compilation failed
+        cand.images_per_second, cand.outcome = None, "compile failed on another process"
+    return cand
 
 
 def expected_step_seconds(compute: float, load: float, workers: int) -> float:
@@ -204,13 +239,27 @@ def larger_with_checkpointing(run, base: Settings) -> int | None:
 
 
 def _config(run, s: Settings, planned: bool = True):
-    """The run's config with `s`'s layout and checkpointing (and, for the planner, its micro-batch)."""
+    """The run's config with `s`'s layout, checkpointing and compilation (and, for the planner, its
+    micro-batch)."""
     cfg = run.cfg
     update = {"model": cfg.model.model_copy(update={"channels_last": s.channels_last,
                                                     "grad_checkpointing": s.grad_checkpointing})}
+    train = {"compile": s.compile} if cfg.train.compile != s.compile else {}
     if planned:
-        update["train"] = cfg.train.model_copy(update={"micro_batch": s.micro_batch})
+        train["micro_batch"] = s.micro_batch
+    if train:
+        update["train"] = cfg.train.model_copy(update=train)
     return cfg.model_copy(update=update)
+
+
+def compiled(model, on: bool) -> None:
+    """Compile `model` in place (nn.Module.compile, as setup.compile_model does) or undo it.
+    nn.Module.compile keeps the compiled callable in `_compiled_call_impl` and offers no undo;
+    clearing it makes the module call its own forward again."""
+    if on and getattr(model, "_compiled_call_impl", None) is None:
+        model.compile()
+    elif not on and getattr(model, "_compiled_call_impl", None) is not None:
+        model._compiled_call_impl = None
 
 
 def predicted_peak(run, s: Settings) -> int | None:
@@ -290,6 +339,7 @@ def apply(run, s: Settings) -> None:
     module = run.launch.acc.unwrap_model(run.model)
     fmt = torch.channels_last if s.channels_last else torch.contiguous_format
     module.to(memory_format=fmt)
+    compiled(run.model, s.compile)
     if hasattr(module, "set_grad_checkpointing"):
         module.set_grad_checkpointing(s.grad_checkpointing)
     run.step.recomputes = s.grad_checkpointing and any(True for _ in module.buffers())

@@ -477,9 +477,11 @@ def compile_model(cfg: Config, L: Launch, model):
     In place rather than a wrapper: parameter and state-dict names, checkpoints and the EMA copy
     stay as they are. A smaller micro-batch after an out-of-memory retry, a short last batch and
     evaluation each compile once more."""
-    if cfg.train.compile:
+    if cfg.train.compile is True:
         model.compile()
         L.notes.append("torch.compile: on (the first steps and the first evaluation include compiling)")
+    elif cfg.train.compile == "auto" and cfg.train.fit != "fastest":
+        L.notes.append("torch.compile: off (train.compile: auto is measured by train.fit: fastest only)")
     return model
 
 
