@@ -82,6 +82,48 @@ def test_killing_the_launcher_saves_and_the_rerun_resumes_bitwise(tmp_path, trai
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+@pytest.mark.slow  # three 2-process runs
+def test_sigterm_to_torchrun_saves_on_every_process_and_the_rerun_resumes_bitwise(tmp_path):
+    """`kill <torchrun pid>`: torchrun's agent passes SIGTERM on to its workers, which save the last
+    completed step together and stop with their own message; torchrun itself then exits 1 with
+    its SignalException (its own behaviour, out of the workers' reach). The same command resumes
+    to the weights of a run that was never stopped."""
+    import signal
+    import time
+
+    import psutil
+    from safetensors.torch import load_file
+
+    from helpers import tiny_args
+    from vramfit import checkpoint
+
+    def cmd(name):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(REPO / "train.py"), *tiny_args("--set", "train.log_every_steps=1", "--set",
+                                                   "data.limit_train_samples=240", "--set", "model.bn=freeze"),
+                "--output", str(tmp_path / "runs"), "--run-name", name]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ref = subprocess.run(cmd("ref"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    launcher = subprocess.Popen(cmd("k"), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+    metrics, deadline = tmp_path / "runs" / "k" / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        time.sleep(0.05)
+    trainers = psutil.Process(launcher.pid).children(recursive=True)
+    launcher.send_signal(signal.SIGTERM)
+    said = launcher.communicate(timeout=120)[1]
+    gone, alive = psutil.wait_procs(trainers, timeout=60)
+    assert not alive and len(gone) == 2 and "Stopped by signal 15 at global step" in said, said[-2000:]
+    saved = checkpoint.latest(tmp_path / "runs" / "k" / "checkpoints")
+    assert saved is not None and 4 <= checkpoint.read_state(saved)["global_step"] < 15
+    again = subprocess.run(cmd("k"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "Resumed from" in again.stderr, again.stderr[-2000:]
+    ours, theirs = (load_file(tmp_path / "runs" / d / "model" / "model.safetensors") for d in ("k", "ref"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
 def test_python_dash_m_vramfit_and_its_version():
     import vramfit
 
