@@ -33,6 +33,37 @@ def test_offline_hf_hub_name_says_what_works_offline(monkeypatch, tmp_path):
     assert "Hugging Face Hub" in e.value.message and "local-dir:" in e.value.hint
 
 
+def test_a_hub_cache_that_cannot_be_written_says_where_to_point_it(monkeypatch):
+    # Stand-in for a download into a read-only HF cache (the real one needs the network): what
+    # huggingface_hub raises when it cannot create the file it downloads into.
+    def download_into_read_only_cache(*a, **k):
+        raise PermissionError(13, "Permission denied", "/ro/hub/models--timm--resnet18.a1_in1k/blobs/1a2b.incomplete")
+
+    monkeypatch.setattr(timm, "create_model", download_into_read_only_cache)
+    with pytest.raises(VramfitError) as e:
+        create_model(ModelConfig(name="resnet18", pretrained=True), num_classes=3)
+    assert "/ro/hub/models--timm--resnet18.a1_in1k" in e.value.message and "cannot be written" in e.value.message
+    assert "HF_HUB_CACHE" in e.value.hint and "HF_HOME" in e.value.hint and "pretrained_path" in e.value.hint
+
+
+def test_an_unreadable_weight_file_is_named(tmp_path):
+    f = tmp_path / "w.safetensors"
+    save_file(timm.create_model("test_resnet", num_classes=3).state_dict(), f)
+    f.chmod(0)
+    cfg = ModelConfig(name="test_resnet", pretrained_path=str(f))
+    import subprocess
+    import sys
+
+    # Permission bits do not bind root: read it as a user without the override capabilities.
+    code = ("from vramfit.config import ModelConfig\nfrom vramfit.errors import VramfitError\n"
+            "from vramfit.models import create_model\n"
+            f"try:\n    create_model(ModelConfig(name='test_resnet', pretrained_path={str(f)!r}), 3)\n"
+            "except VramfitError as e:\n    print(e.message)\n")
+    proc = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable,
+                           "-c", code], capture_output=True, text=True, timeout=120)
+    assert f"model.pretrained_path `{cfg.pretrained_path}` cannot be read" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_local_dir_model_builds_offline(tmp_path):
     from vramfit.models import data_config, export
 

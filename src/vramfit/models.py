@@ -55,32 +55,18 @@ def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True,
         if not path.is_file():
             raise VramfitError(f"model.pretrained_path `{path}` does not exist.",
                                hint="point it at a .safetensors / .pth / .bin weight file")
+        try:  # safetensors says "No such file" for a file it may not read
+            path.open("rb").close()
+        except OSError as e:
+            raise VramfitError(f"model.pretrained_path `{path}` cannot be read ({e.strerror}).",
+                               hint="fix its permissions, or copy it somewhere this user can read") from None
         # Through timm's pretrained loader (not checkpoint_path) so a 1000-class head is dropped and
         # re-initialised for our classes instead of failing on a shape mismatch.
         kwargs["pretrained_cfg_overlay"] = dict(file=str(path.resolve()))
     try:
         model = timm.create_model(cfg.name, pretrained=pretrained, **kwargs)
     except (OSError, ConnectionError, RuntimeError, ValueError) as e:
-        text = str(e)
-        if pretrained and not cfg.pretrained_path and _looks_offline(e):
-            raise VramfitError(
-                f"Could not download pretrained weights for `{cfg.name}` ({type(e).__name__}: "
-                f"{text.splitlines()[0][:200] if text else 'no detail'}).",
-                hint="this machine cannot reach the Hugging Face Hub. Either run with "
-                     "`--set model.pretrained=false` (random init), or download the weights once on a "
-                     "machine with network and pass `--set model.pretrained_path=/path/to/model.safetensors`.",
-            ) from None
-        if cfg.name.startswith("hf-hub:") and _looks_offline(e):
-            # timm reads an hf-hub model's architecture from its config.json on the Hub, even for
-            # a random init or a memory plan.
-            raise VramfitError(
-                f"Could not fetch the configuration of `{cfg.name}` from the Hugging Face Hub "
-                f"({type(e).__name__}).",
-                hint="this machine cannot reach the Hub. Use the timm architecture name instead (e.g. "
-                     "`resnet50.a1_in1k`; `vramfit plan` needs nothing else), or download the model once "
-                     "and pass its folder as `--model local-dir:/path/to/folder`.") from None
-        raise VramfitError(f"Could not create model `{cfg.name}`: {type(e).__name__}: {text[:500]}",
-                           hint="check the model name and model.* settings") from None
+        raise _creation_error(cfg, e, pretrained) from None
 
     if cfg.bn == "freeze":
         # Library conversion: BatchNorm2d -> FrozenBatchNorm2d (fixed statistics and affine). Every
@@ -138,6 +124,48 @@ def any_size_kwargs(name: str) -> dict:
             continue
         return kwargs
     return {}
+
+
+def _creation_error(cfg: ModelConfig, e: Exception, pretrained: bool) -> VramfitError:
+    """What to say when timm cannot build the model: a Hub cache that cannot be written, no
+    network for weights or an hf-hub architecture, or the error itself."""
+    cache = _unwritable_path(e)
+    if cache is not None:
+        return VramfitError(
+            f"Could not save what `{cfg.name}` needs from the Hugging Face Hub: {cache} cannot be written.",
+            hint="point the Hub cache at a writable folder (HF_HUB_CACHE=/path, or HF_HOME=/path for every "
+                 "Hugging Face cache), or download the weights once elsewhere and pass `--set "
+                 "model.pretrained_path=/path/to/model.safetensors`")
+    text = str(e)
+    if pretrained and not cfg.pretrained_path and _looks_offline(e):
+        return VramfitError(
+            f"Could not download pretrained weights for `{cfg.name}` ({type(e).__name__}: "
+            f"{text.splitlines()[0][:200] if text else 'no detail'}).",
+            hint="this machine cannot reach the Hugging Face Hub. Either run with "
+                 "`--set model.pretrained=false` (random init), or download the weights once on a "
+                 "machine with network and pass `--set model.pretrained_path=/path/to/model.safetensors`.",
+        )
+    if cfg.name.startswith("hf-hub:") and _looks_offline(e):
+        # timm reads an hf-hub model's architecture from its config.json on the Hub, even for
+        # a random init or a memory plan.
+        return VramfitError(
+            f"Could not fetch the configuration of `{cfg.name}` from the Hugging Face Hub "
+            f"({type(e).__name__}).",
+            hint="this machine cannot reach the Hub. Use the timm architecture name instead (e.g. "
+                 "`resnet50.a1_in1k`; `vramfit plan` needs nothing else), or download the model once "
+                 "and pass its folder as `--model local-dir:/path/to/folder`.")
+    return VramfitError(f"Could not create model `{cfg.name}`: {type(e).__name__}: {text[:500]}",
+                       hint="check the model name and model.* settings")
+
+
+def _unwritable_path(e: BaseException) -> str | None:
+    """The path of a permission or read-only or full-disk error in `e`'s chain (None: none)."""
+    import errno
+
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+            return str(x.filename or x.filename2 or "the Hugging Face cache")
+    return None
 
 
 def _looks_offline(e: Exception) -> bool:
