@@ -1,14 +1,15 @@
-"""The quickstart on a CPU that other jobs share: torch's thread count and OpenMP's wait policy.
+"""The quickstart on a CPU that other jobs share: torch's thread count and OpenMP's wait.
 
 A competing load of `--load` busy processes (pure-Python loops: CPU time, no memory traffic)
 runs for the whole bench. Under it, and once idle for reference, `vramfit train --recipe
 quickstart --epochs E` runs as a fresh process per setting:
-  rule      vramfit's thread rule as it stands (torch's default: one thread per core)
-  1 thread  OMP_NUM_THREADS=1 (vramfit keeps a count the user set)
-  passive   the rule's threads with OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps instead of
-            spinning, so a descheduled partner costs less)
-The settings interleave over `--rounds` rounds; each figure is the median wall time. The ratio is
-against the rule under the same load.
+  default     torch's threads (one per core) with libgomp's own wait (GOMP_SPINCOUNT=300000: a
+              thread that finished its share spins that many times before it sleeps)
+  rule        vramfit's rule (src/vramfit/openmp.py): the same threads, GOMP_SPINCOUNT=10000
+  1 thread    OMP_NUM_THREADS=1 (vramfit keeps a count the user set)
+  passive     torch's threads with OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps at once)
+Every setting runs idle and loaded. The settings interleave over `--rounds` rounds; each figure is
+the median wall time. The ratio is against the default under the same load.
 
     python bench/shared_cpu.py                  # ~8 minutes on 2 cores
     python bench/shared_cpu.py --load 4 --epochs 1 --rounds 3
@@ -28,7 +29,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = {"rule": {}, "1 thread": {"OMP_NUM_THREADS": "1"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+SETTINGS = {"default": {"GOMP_SPINCOUNT": "300000"}, "rule": {}, "1 thread": {"OMP_NUM_THREADS": "1"},
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+SCRUBBED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def spin() -> None:  # a competing job
@@ -37,7 +40,7 @@ def spin() -> None:  # a competing job
 
 
 def one(out: Path, name: str, epochs: int, extra_env: dict) -> float:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
     env.update(extra_env)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "vramfit.cli", "train", "--recipe", "quickstart", "--epochs",
@@ -56,30 +59,26 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out = Path(tempfile.mkdtemp(prefix="vramfit-shared-cpu-"))
-    walls: dict[str, list[float]] = {"idle: rule": [], "idle: passive": []}
-    walls.update({f"loaded: {k}": [] for k in SETTINGS})
+    walls: dict[str, list[float]] = {f"{phase}: {k}": [] for phase in ("idle", "loaded") for k in SETTINGS}
     for r in range(args.rounds):
-        for label in ("idle: rule", "idle: passive"):
-            walls[label].append(one(out, f"{label}-{r}".replace(": ", "-"), args.epochs,
-                                    SETTINGS[label.split(": ")[1]]))
-            print(f"  round {r + 1} {label:<18} {walls[label][-1]:6.1f} s", file=sys.stderr)
-        jobs = [mp.Process(target=spin, daemon=True) for _ in range(args.load)]
-        for j in jobs:
-            j.start()
-        try:
-            for name, env in SETTINGS.items():
-                label = f"loaded: {name}"
-                walls[label].append(one(out, f"loaded-{name.replace(' ', '')}-{r}", args.epochs, env))
-                print(f"  round {r + 1} {label:<18} {walls[label][-1]:6.1f} s", file=sys.stderr)
-        finally:
+        for phase in ("idle", "loaded"):
+            jobs = [mp.Process(target=spin, daemon=True) for _ in range(args.load if phase == "loaded" else 0)]
             for j in jobs:
-                j.terminate()
+                j.start()
+            try:
+                for name, env in SETTINGS.items():
+                    label = f"{phase}: {name}"
+                    walls[label].append(one(out, f"{phase}-{name.replace(' ', '')}-{r}", args.epochs, env))
+                    print(f"  round {r + 1} {label:<18} {walls[label][-1]:6.1f} s", file=sys.stderr)
+            finally:
+                for j in jobs:
+                    j.terminate()
     med = {k: statistics.median(v) for k, v in walls.items()}
     print(f"shared CPU: quickstart --epochs {args.epochs} on {os.cpu_count()} cores, {args.load} busy processes "
           f"competing, {args.rounds} rounds (median wall)")
-    print("| setting | wall s (median) | rounds | vs the rule, same load |\n|---|---:|---|---:|")
+    print("| setting | wall s (median) | rounds | vs the default, same load |\n|---|---:|---|---:|")
     for k, v in walls.items():
-        base = med["idle: rule"] if k.startswith("idle") else med["loaded: rule"]
+        base = med["idle: default"] if k.startswith("idle") else med["loaded: default"]
         print(f"| {k} | {med[k]:.1f} | {', '.join(f'{x:.1f}' for x in v)} | {med[k] / base:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps({"walls": walls, "median": med, "load": args.load}, indent=1))

@@ -129,3 +129,30 @@ def test_python_dash_m_vramfit_and_its_version():
 
     proc = subprocess.run([sys.executable, "-m", "vramfit", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == f"vramfit {vramfit.__version__}"
+
+
+def _gomp(env_extra: dict, code: str):
+    """libgomp's own account of its settings (OMP_DISPLAY_ENV prints them when it loads)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    proc = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_DISPLAY_ENV": "VERBOSE", **env_extra},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spin = [line.split("=")[1].strip(" '") for line in (proc.stdout + proc.stderr).splitlines()
+            if line.strip().startswith("GOMP_SPINCOUNT")]
+    return spin, proc.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp: torch's OpenMP on Linux")
+def test_openmp_spins_briefly_unless_the_user_chose_a_wait():
+    """The shared-CPU rule (bench/shared_cpu.py): libgomp, as it loads with torch, spins 10000
+    times instead of 300000; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is theirs; torch imported
+    before vramfit keeps libgomp's default and the start line says so."""
+    code = "import vramfit, torch; torch.ones(2); print(vramfit.openmp.WAIT)"
+    spin, out = _gomp({}, code)
+    assert spin == ["10000"] and "GOMP_SPINCOUNT" in out, (spin, out)
+    spin, out = _gomp({"GOMP_SPINCOUNT": "5"}, code)
+    assert spin == ["5"] and "as set (GOMP_SPINCOUNT=5)" in out, out
+    spin, out = _gomp({"OMP_WAIT_POLICY": "ACTIVE"}, code)
+    assert spin != ["10000"] and "OMP_WAIT_POLICY=ACTIVE" in out, (spin, out)
+    spin, out = _gomp({}, "import torch, vramfit; torch.ones(2); print(vramfit.openmp.WAIT)")
+    assert spin == ["300000"] and "torch was imported before vramfit" in out, (spin, out)

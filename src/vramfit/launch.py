@@ -101,6 +101,7 @@ def start(cfg, run_dir: Path | None = None) -> Launch:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from accelerate import Accelerator
 
+    from . import openmp
     from . import precision as precisions
     from .tracking import log_with
 
@@ -124,6 +125,8 @@ def start(cfg, run_dir: Path | None = None) -> Launch:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     notes = [f"precision: {precision.note}"] if precision.note else []
     notes.append(set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if device_type == "cpu":  # on a GPU the CPU's OpenMP barely runs: no word for it
+        notes.append(openmp.WAIT)
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
         # TF32 matmuls on Ampere and newer (as timm and NVIDIA's references train); convolutions
