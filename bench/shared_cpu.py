@@ -28,10 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from vramfit.openmp import USER_KEYS
+
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {"default": {"GOMP_SPINCOUNT": "300000"}, "rule": {}, "1 thread": {"OMP_NUM_THREADS": "1"},
             "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
-SCRUBBED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+SCRUBBED = ("OMP_NUM_THREADS", *USER_KEYS)  # every setting starts from none of them
 
 
 def spin() -> None:  # a competing job

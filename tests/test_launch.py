@@ -133,7 +133,9 @@ def test_python_dash_m_vramfit_and_its_version():
 
 def _gomp(env_extra: dict, code: str):
     """libgomp's own account of its settings (OMP_DISPLAY_ENV prints them when it loads)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    from vramfit.openmp import USER_KEYS
+
+    env = {k: v for k, v in os.environ.items() if k not in USER_KEYS}
     proc = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_DISPLAY_ENV": "VERBOSE", **env_extra},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -4,7 +4,7 @@ libgomp (torch's OpenMP on Linux pip wheels) lets a thread that finished its sha
 region spin 300000 times before it sleeps. On a CPU that other jobs share, a spinning thread holds
 a core that its descheduled partner needs, and every op waits for the slowest thread.
 `bench/shared_cpu.py` measured the quickstart on 2 cores (docs/benchmarks.md, "Shared CPU"):
-GOMP_SPINCOUNT=10000 took 0.61x the wall time of the default under 4 competing processes and
+GOMP_SPINCOUNT=10000 took 0.61x to 0.67x the wall time of the default under 4 competing processes and
 0.92x under 2, and 0.92x to 1.06x (noise) on an idle machine; OMP_WAIT_POLICY=PASSIVE was as good
 under load but up to 1.16x idle, and one thread 1.32x to 1.41x idle. So the short spin is the
 default; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept.
