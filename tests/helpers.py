@@ -129,3 +129,11 @@ def train_args(data, out, *extra):
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def readme_launch() -> list[str]:
+    """`launch -q train.py` (the flags before the script) from the README's first command."""
+    first = (REPO / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
+    launch = first.split("accelerate launch ", 1)[1].split(" --recipe")[0].split()
+    assert launch[-1] == "train.py"
+    return ["launch", *launch[:-1], str(REPO / "train.py")]

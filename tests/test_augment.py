@@ -207,7 +207,7 @@ def test_training_with_every_device_augmentation_and_exact_resume(train_cli, tmp
            "--set", "data.limit_train_samples=160", "--set", "train.log_every_steps=1")
     full, code = train_cli(*tiny_args(*aug), run_name="full")
     assert code == 0
-    losses = [m["loss"] for m in _metrics(full) if m["kind"] == "train"]
+    losses = [m["train/loss"] for m in _metrics(full) if m["kind"] == "train"]
     assert len(losses) == 10 and all(0 < v < 10 for v in losses)
     part, code = train_cli(*tiny_args(*aug, "--set", "debug.signal_at_step=4"), run_name="part")
     assert code == 143

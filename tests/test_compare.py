@@ -38,15 +38,18 @@ def test_compare_plot_and_csv_of_two_real_runs(tmp_path, capsys):
 
 
 def test_history_time_continues_across_resumed_segments(tmp_path):
+    """A resumed segment's clock restarts at 0: the history's time continues. The first rows are
+    as run folders of earlier versions wrote them (`val_accuracy`), the resumed ones as today's."""
     from vramfit.compare import eval_history
 
-    records = [{"step": 10, "time": 5.0, "kind": "train"}, {"step": 20, "time": 9.0, "kind": "eval", "val_accuracy": 0.5},
+    records = [{"step": 10, "time": 5.0, "kind": "train", "loss": 2.0},
+               {"step": 20, "time": 9.0, "kind": "eval", "val_accuracy": 0.5},
                # resumed from step 10: the clock restarted, step 20 is evaluated again
-               {"step": 20, "time": 3.0, "kind": "eval", "val_accuracy": 0.6},
-               {"step": 40, "time": 8.0, "kind": "eval", "val_accuracy": 0.7}]
+               {"step": 20, "time": 3.0, "kind": "eval", "val/accuracy": 0.6},
+               {"step": 40, "time": 8.0, "kind": "eval", "val/accuracy": 0.7}]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4')  # last line cut short
-    assert [(e["time"], e["val_accuracy"]) for e in eval_history(path)] == [(9.0, 0.5), (12.0, 0.6), (17.0, 0.7)]
+    assert [(e["time"], e["accuracy"]) for e in eval_history(path)] == [(9.0, 0.5), (12.0, 0.6), (17.0, 0.7)]
 
 
 def test_short_labels_and_a_bad_sort_key(tmp_path):

@@ -27,7 +27,7 @@ def test_compile_is_opt_in_and_in_place():
 
 def losses(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["kind"], r.get("loss", r.get("val_loss")), r.get("accuracy", r.get("val_accuracy")))
+    return [(r["kind"], r.get("train/loss", r.get("val/loss")), r.get("train/accuracy", r.get("val/accuracy")))
             for r in rows]
 
 

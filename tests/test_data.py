@@ -455,7 +455,7 @@ def test_bad_files_are_skipped_and_counted_exactly(messy, train_cli):
     assert summary["skipped_samples"] == 4 and summary["global_step"] == 3
     assert sorted(f.split(":")[0] for f in summary["unreadable_files"]) == sorted(str(p) for p in bad[:4])
     (ev,) = [m for m in metrics(run_dir) if m["kind"] == "eval"]
-    assert ev["val_unreadable"] == 1 and ev["val_samples"] == 7
+    assert ev["val/unreadable"] == 1 and ev["val/samples"] == 7
 
 
 def test_too_many_bad_files_stop_the_run_with_their_names(messy, train_cli):
@@ -598,7 +598,7 @@ def test_bad_file_counts_survive_a_resume(messy, train_cli):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["skipped_samples"] == 4 and len(summary["unreadable_files"]) == 4
     (ev,) = [m for m in metrics(run_dir) if m["kind"] == "eval"]
-    assert ev["skipped_samples"] == 4
+    assert ev["epoch/skipped_samples"] == 4
 
 
 def test_train_and_val_split_names_are_chosen_and_checked(tmp_path):

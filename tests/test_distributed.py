@@ -92,7 +92,7 @@ def test_two_processes_equal_one_process_and_accumulation(folder, tmp_path, micr
     assert _close(w1, w2) and _close(w1, w3)
     # Evaluation counts exactly the 99 validation images on 2 processes (no padding duplicates).
     evals = [json.loads(l) for l in (two / "metrics.jsonl").read_text().splitlines()]
-    assert [e["val_samples"] for e in evals if e["kind"] == "eval"] == [99]
+    assert [e["val/samples"] for e in evals if e["kind"] == "eval"] == [99]
     assert s_two["final_accuracy"] == pytest.approx(s_one["final_accuracy"], abs=1 / 99 + 1e-9)
 
 
@@ -210,7 +210,7 @@ def test_bad_files_are_counted_across_processes(folder_with_bad_files, tmp_path)
     assert s["skipped_samples"] == 2
     assert sorted(f.split(":")[0].rsplit("/", 1)[-1] for f in s["unreadable_files"]) == ["noise.png", "zero.png"]
     (ev,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
-    assert ev["skipped_samples"] == 2
+    assert ev["epoch/skipped_samples"] == 2
 
 
 def test_too_many_bad_files_stop_every_process_together(folder_with_bad_files, tmp_path):

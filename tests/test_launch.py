@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, readme_launch
 
 PROBE = "import torch\nfrom vramfit.launch import set_threads\nprint('THREADS', set_threads(1), torch.get_num_threads())\n"
 
@@ -33,9 +33,11 @@ def test_accelerate_launch_trains_on_the_cores_unless_the_user_chose(tmp_path):
 def test_a_user_error_under_accelerate_launch_quiet_is_only_the_message(tmp_path):
     """`accelerate launch` turns any non-zero exit of the script into its own traceback (exit 1);
     with `-q` it exits 1 quietly, so the user sees vramfit's message alone (docs/distributed.md)."""
-    args = [str(REPO / "train.py"), "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "runs")]
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1",
-                           "--cpu", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    launch = readme_launch()  # the README's own flags
+    accelerate = [sys.executable, "-c", "from accelerate.commands.accelerate_cli import main; main()"]
+    proc = subprocess.run([*accelerate, launch[0], "--num_processes", "1", "--cpu", *launch[1:], "--data",
+                           str(tmp_path / "missing"), "--output", str(tmp_path / "runs")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.count("vramfit: error:") == 1 and "HINT:" in proc.stderr
     # The same mistake without the launcher exits 2 with the message alone:

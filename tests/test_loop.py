@@ -24,8 +24,8 @@ def test_the_logged_lr_is_the_one_the_step_used(train_cli):
                                          "--lr", "1e-3"))
     assert code == 143
     rows = _records(run_dir, "train")
-    assert rows[0]["images_per_second"] > 0 and 0 <= rows[0]["data_wait_fraction"] <= 1  # from step 1 on
-    lrs = [r["lr"] for r in rows]
+    assert rows[0]["train/images_per_second"] > 0 and 0 <= rows[0]["train/data_wait_fraction"] <= 1  # from step 1 on
+    lrs = [r["train/lr"] for r in rows]
     assert lrs[0] == pytest.approx(1e-5) and lrs[1] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 29)
 
 

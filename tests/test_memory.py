@@ -28,10 +28,10 @@ def test_simulated_oom_recovers_to_micro_8_with_same_weights(train_cli):
     assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-6
     rows = [json.loads(l) for l in (got / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["kind"] == "train"]
-    assert train_rows[0]["oom_retries"] == 2 and train_rows[0]["micro_batch"] == 8
-    assert all(r["host_rss_bytes"] > 0 for r in train_rows)
+    assert train_rows[0]["train/oom_retries"] == 2 and train_rows[0]["train/micro_batch"] == 8
+    assert all(r["memory/host_rss_bytes"] > 0 for r in train_rows)
     # Evaluation has its own micro-batching: the same limit shrinks it instead of failing.
-    assert [r["val_samples"] for r in rows if r["kind"] == "eval"] == [120]
+    assert [r["val/samples"] for r in rows if r["kind"] == "eval"] == [120]
 
 
 @pytest.mark.parametrize("bn, smallest", [("train", 2), ("freeze", 1)])

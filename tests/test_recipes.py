@@ -100,7 +100,7 @@ def _check_resumed_exactly(ref, cut, uses_ema: bool):
     for name in names:
         a, b = load_file(_last_checkpoint(ref) / name), load_file(_last_checkpoint(cut) / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    losses = [[m["loss"] for m in _metrics(d) if m["kind"] == "train"] for d in (ref, cut)]
+    losses = [[m["train/loss"] for m in _metrics(d) if m["kind"] == "train"] for d in (ref, cut)]
     assert losses[0] == losses[1] and len(losses[0]) == json.loads((ref / "summary.json").read_text())["global_step"]
 
 

@@ -27,7 +27,7 @@ def _same(a, b):
 
 def _losses(run_dir):
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r["kind"] == "train"]
+    return [r["train/loss"] for r in rows if r["kind"] == "train"]
 
 
 ARGS = tiny_args("--epochs", "2", "--set", "train.log_every_steps=1", "--set", "model.drop_rate=0.2")
@@ -289,7 +289,7 @@ def test_signal_during_evaluation_saves_the_trained_epoch(train_cli, reference):
 
 def _evals(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["epoch"], r["val_accuracy"]) for r in rows if r["kind"] == "eval"]
+    return [(r["epoch"], r["val/accuracy"]) for r in rows if r["kind"] == "eval"]
 
 
 def test_the_record_after_a_crash_and_resume_is_the_uninterrupted_runs(train_cli, reference):
@@ -306,7 +306,7 @@ def test_the_record_after_a_crash_and_resume_is_the_uninterrupted_runs(train_cli
 
     def record(d):
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-        return [(r["kind"], r["step"], r.get("loss"), r.get("val_accuracy")) for r in rows]
+        return [(r["kind"], r["step"], r.get("train/loss"), r.get("val/accuracy")) for r in rows]
 
     assert record(run_dir) == record(reference)
 
@@ -376,6 +376,6 @@ def test_sigkill_at_random_points_of_twenty_saves_never_loses_the_run(tmp_path, 
 
     def record(d):
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-        return [(r["kind"], r["step"], r.get("loss")) for r in rows]
+        return [(r["kind"], r["step"], r.get("train/loss")) for r in rows]
 
     assert record(run_dir) == record(ref)

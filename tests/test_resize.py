@@ -95,7 +95,7 @@ def test_the_loader_crops_at_each_steps_size_and_the_record_shows_it(train_cli):
     run_dir, code = train_cli(*tiny_args(*RESIZE), run_name="pr")
     assert code == 0
     rows = [r for r in metrics(run_dir) if r.get("kind") == "train"]
-    sizes = [r["image_size"] for r in rows]
+    sizes = [r["train/image_size"] for r in rows]
     assert sizes[0] == 16 and sizes[-1] == 32 and sizes == sorted(sizes) and len(set(sizes)) >= 3
     s = _summary(run_dir)
     phases = s["phases"]
@@ -118,8 +118,8 @@ def test_a_run_stopped_mid_ramp_resumes_exactly(train_cli):
     assert code == 0
     a, b = _last_weights(whole), _last_weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    before = [r["image_size"] for r in metrics(whole) if r.get("kind") == "train"]
-    after = [r["image_size"] for r in metrics(cut) if r.get("kind") == "train"]
+    before = [r["train/image_size"] for r in metrics(whole) if r.get("kind") == "train"]
+    after = [r["train/image_size"] for r in metrics(cut) if r.get("kind") == "train"]
     assert sorted(set(before)) == sorted(set(after))
 
 
@@ -193,6 +193,6 @@ def test_an_out_of_memory_retry_holds_at_every_larger_size(train_cli):
     run_dir, code = train_cli(*tiny_args(*RESIZE, "--set", "debug.simulate_oom_above=8"), run_name="oom")
     assert code == 0
     rows = [r for r in metrics(run_dir) if r.get("kind") == "train"]
-    assert {r["micro_batch"] for r in rows} == {8} and len({r["image_size"] for r in rows}) >= 3
+    assert {r["train/micro_batch"] for r in rows} == {8} and len({r["train/image_size"] for r in rows}) >= 3
     s = _summary(run_dir)
     assert s["oom_retries"] == 1 and s["micro_batch"] == 8 and s["finished"]

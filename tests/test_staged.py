@@ -107,7 +107,7 @@ def test_staged_run_resumed_in_either_phase_is_bitwise_identical(train_cli, stag
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(line) for line in (staged_ref / "metrics.jsonl").read_text().splitlines()]
-    assert [r["lr"] for r in rows if r["kind"] == "train"] == [r["lr"] for r in ref_rows if r["kind"] == "train"]
+    assert [r["train/lr"] for r in rows if r["kind"] == "train"] == [r["train/lr"] for r in ref_rows if r["kind"] == "train"]
 
 
 def test_layer_decay_gives_each_parameter_timms_lr():

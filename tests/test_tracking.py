@@ -131,6 +131,41 @@ def test_resumed_run_appends_to_the_same_wandb_run(tracked):
     assert times == sorted(times)  # the resumed clock continues the file's
 
 
+def test_metrics_jsonl_names_its_figures_as_the_trackers_do(tracked):
+    """One name per figure: the W&B history's keys at a step are metrics.jsonl's at that step."""
+    run_dir, run_id, first, second = tracked
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {}
+    for r in rows:
+        by_step.setdefault(r["step"], set()).update(k for k in r if k not in ("step", "time", "kind"))
+    history = _history(_records_by_type(second / f"run-{run_id}.wandb"))
+    for step in (20, 30):
+        logged = {k for h in history if h.get("_step") == step for k in h if not k.startswith("_")}
+        assert by_step[step] <= logged
+    train = next(r for r in rows if r["kind"] == "train")
+    assert {"train/loss", "train/accuracy", "train/lr", "train/micro_batch", "train/image_size",
+            "memory/host_rss_bytes", "epoch"} <= set(train)
+    assert {"val/accuracy", "val/top5", "val/loss", "epoch/seconds"} <= set(next(r for r in rows if r["kind"] == "eval"))
+
+
+def test_run_folders_of_earlier_versions_read_under_todays_names(tmp_path):
+    from vramfit.tracking import read_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1, "time": 0.5, "kind": "train", "epoch": 0, "loss": 2.3, "lr": 0.1, '
+                 '"mem_peak_bytes": 7, "host_rss_bytes": 9}\n'
+                 '{"step": 2, "time": 1.0, "kind": "eval", "epoch": 1, "val_accuracy": 0.5, '
+                 '"skipped_samples": 0, "epoch_seconds": 3.0}\n'
+                 '{"step": 3, "time": 1.5, "kind": "train", "train/loss": 2.0, "memory/peak_bytes": 8}\n{"step"')
+    assert read_metrics(f) == [
+        {"step": 1, "time": 0.5, "kind": "train", "epoch": 0, "train/loss": 2.3, "train/lr": 0.1,
+         "memory/peak_bytes": 7, "memory/host_rss_bytes": 9},
+        {"step": 2, "time": 1.0, "kind": "eval", "epoch": 1, "val/accuracy": 0.5, "epoch/skipped_samples": 0,
+         "epoch/seconds": 3.0},
+        {"step": 3, "time": 1.5, "kind": "train", "train/loss": 2.0, "memory/peak_bytes": 8}]
+    assert read_metrics(tmp_path / "missing.jsonl") == []
+
+
 def test_tensorboard_is_a_second_tracker(tracked):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

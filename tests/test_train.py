@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, tiny_args
+from helpers import REPO, readme_launch, tiny_args
 
 SUMMARY_KEYS = {"best_accuracy", "final_accuracy", "epochs", "global_step", "global_batch", "micro_batch",
                 "grad_accum_steps", "num_processes", "precision", "images_per_second", "peak_memory_bytes",
@@ -28,16 +28,18 @@ QS_SHORT = ("--recipe", "quickstart", "--epochs", "2")
 
 def _launch_quickstart(out, *args):
     """As the README's first command: `accelerate config default` (into a fresh HF_HOME), then
-    `accelerate launch train.py ...` with no flags, which then prints no warning about defaults."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HOME": str(out / "hf_home")}
+    `accelerate launch -q train.py ...` as the README has it, with the environment a fresh shell
+    has (no OMP_NUM_THREADS): no warning about defaults but the CPU thread note no config holds."""
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "HF_HOME": str(out / "hf_home")}
     accelerate = [sys.executable, "-c", "from accelerate.commands.accelerate_cli import main; main()"]
     subprocess.run([*accelerate, "config", "default"], env=env, check=True, capture_output=True, timeout=120)
     t0 = time.time()
-    proc = subprocess.run([*accelerate, "launch", str(REPO / "train.py"), *args, "--output", str(out / "runs")],
+    proc = subprocess.run([*accelerate, *readme_launch(), *args, "--output", str(out / "runs")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "had defaults used instead" not in proc.stderr, proc.stderr[:1500]
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("\t`--")]
+    assert all("num_cpu_threads_per_process" in line for line in warned), proc.stderr[:1500]
     out = out / "runs"
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     return run_dir, elapsed, proc
@@ -72,7 +74,7 @@ def test_run_folder_contract(quickstart):
     env = json.loads((run_dir / "env.json").read_text())
     assert {"torch", "timm", "accelerate", "datasets", "git_commit", "device_names"} <= set(env)
     evals = [m for m in _metrics(run_dir) if m["kind"] == "eval"]
-    assert len(evals) == 2 and all(m["val_samples"] == 360 for m in evals)  # exactly the split, every epoch
+    assert len(evals) == 2 and all(m["val/samples"] == 360 for m in evals)  # exactly the split, every epoch
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert 1 <= len(ckpts) <= 3 and all((c / "COMPLETE.json").is_file() for c in ckpts)
     # model/: safetensors + timm config + class names; loads back through timm with the same outputs
@@ -132,7 +134,7 @@ def test_golden_losses(train_cli):
                                          "--set", "train.label_smoothing=0.1", "--seed", "7",
                                          "--set", "data.split_seed=7"))
     assert code == 143  # stopped after step 5, as a SIGTERM would
-    losses = [m["loss"] for m in _metrics(run_dir) if m["kind"] == "train"][:5]
+    losses = [m["train/loss"] for m in _metrics(run_dir) if m["kind"] == "train"][:5]
     assert losses == pytest.approx(GOLDEN, abs=1e-5), losses
 
 
@@ -154,8 +156,8 @@ def test_interrupted_and_resumed_run_is_bitwise_identical(train_cli, tmp_path, s
     assert code == 0
     a, b = _weights(ref_dir), _weights(cut_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ref_losses = [m["loss"] for m in _metrics(ref_dir) if m["kind"] == "train"]
-    cut_losses = [m["loss"] for m in _metrics(cut_dir) if m["kind"] == "train"]
+    ref_losses = [m["train/loss"] for m in _metrics(ref_dir) if m["kind"] == "train"]
+    cut_losses = [m["train/loss"] for m in _metrics(cut_dir) if m["kind"] == "train"]
     assert cut_losses == ref_losses  # same samples, same order, same augmentation
 
 

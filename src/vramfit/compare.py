@@ -11,6 +11,7 @@ import yaml
 
 from .errors import VramfitError, damaged_file
 from .runfolder import RunPaths, data_short_name
+from .tracking import read_metrics
 
 # (header, summary.json key or a derived field); derived fields are filled in by `load_run`.
 COLUMNS = [("run", None), ("data", None), ("model", None), ("size", None), ("precision", "precision"),
@@ -44,7 +45,7 @@ def load_run(path: Path) -> dict:
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise damaged_file(path, e) from None
     evals = eval_history(files.metrics)
-    best = max(evals, key=lambda e: e["val_accuracy"], default=None)  # max keeps the first of equals
+    best = max(evals, key=lambda e: e["accuracy"], default=None)  # max keeps the first of equals
     s = {**s, "seconds_to_best": best["time"] if best else None}
     return {"path": path, "summary": s, "config": cfg or {}, "evals": evals}
 
@@ -55,22 +56,16 @@ def eval_history(metrics_file: Path) -> list[dict]:
     A resumed run appends to the same file, and its clock starts again at 0 (and may repeat steps
     after the checkpoint it went back to): each segment continues from where the last one ended, so
     the time axis is the wall time the run has cost."""
-    if not metrics_file.is_file():
-        return []
     evals, offset, last = [], 0.0, 0.0
-    for line in metrics_file.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
+    for rec in read_metrics(metrics_file):
         t = rec.get("time")
         if not isinstance(t, (int, float)):
             continue
         if t + offset < last:
             offset = last
         last = t + offset
-        if rec.get("kind") == "eval" and isinstance(rec.get("val_accuracy"), (int, float)):
-            evals.append({"time": last, "step": rec.get("step"), "val_accuracy": rec["val_accuracy"]})
+        if rec.get("kind") == "eval" and "val/accuracy" in rec:
+            evals.append({"time": last, "step": rec.get("step"), "accuracy": rec["val/accuracy"]})
     return evals
 
 
@@ -149,7 +144,7 @@ def plot(runs: list[dict], path: Path) -> Path:
         return v / GIB if isinstance(v, (int, float)) else None
 
     series = [{"label": r["short"], "times": [e["time"] for e in r["evals"]],
-               "accuracies": [e["val_accuracy"] for e in r["evals"]],
+               "accuracies": [e["accuracy"] for e in r["evals"]],
                "peak_gib": gib(r["summary"].get("peak_memory_bytes")),
                "planned_gib": gib(r["summary"].get("predicted_peak_memory_bytes")),
                "images_per_second": r["summary"].get("images_per_second")} for r in runs]

@@ -107,11 +107,12 @@ class RunLog:
     def log(self, record: dict, step: int) -> None:
         if not self.acc.is_main_process:
             return
-        rec = scrub({"step": step, "time": round(time.time() - self.t0, 3), **record})
+        figures = figure_names(record)
+        rec = scrub({"step": step, "time": round(time.time() - self.t0, 3), "kind": record.get("kind"), **figures})
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.use_trackers:
-            self.acc.log(figure_names(rec), step=step)
+            self.acc.log(scrub(figures), step=step)
 
     def summary(self, summary: dict) -> None:
         """The run's final figures as the tracker's run summary (W&B's last-value default would show
@@ -128,27 +129,51 @@ class RunLog:
                 tracker.tracker.flush()
 
 
-# metrics.jsonl keys that stay as they are in the trackers (the x axes, not figures).
+# Keys that keep their name (the x axes, not figures).
 AXES = ("epoch",)
+# The memory a step measured, one group whatever the record's kind.
+MEMORY_NAMES = {"host_rss_bytes": "memory/host_rss_bytes", "mem_allocated_bytes": "memory/allocated_bytes",
+                "mem_reserved_bytes": "memory/reserved_bytes", "mem_peak_bytes": "memory/peak_bytes"}
+POSITION = ("step", "time", "kind")  # where a metrics.jsonl row sits, not figures
 
 
 def figure_names(record: dict) -> dict:
-    """A metrics.jsonl record as the trackers' figures, grouped by what they measure: a training
-    step's `loss` as `train/loss`, an evaluation's `val_accuracy` as `val/accuracy` (W&B and
-    TensorBoard group panels by the part before the slash). Numbers only; `step` and `time` are
-    the record's position, not figures."""
+    """A record's figures under the names metrics.jsonl and the trackers both use, grouped by what
+    they measure: a training step's `loss` as `train/loss`, an evaluation's `val_accuracy` as
+    `val/accuracy`, the epoch it closes as `epoch/seconds`, memory as `memory/...` (W&B and
+    TensorBoard group panels by the part before the slash). Numbers only. Names already grouped
+    pass through, so a row written this way maps to itself."""
     kind = record.get("kind")
     out = {}
     for k, v in record.items():
-        if k in ("step", "time", "kind") or not isinstance(v, (int, float)) or isinstance(v, bool):
+        if k in POSITION or not isinstance(v, (int, float)) or isinstance(v, bool):
             continue
         if k in AXES or "/" in k:
             out[k] = v
+        elif k in MEMORY_NAMES:
+            out[MEMORY_NAMES[k]] = v
         elif kind == "eval":  # the evaluation's own figures, and the epoch's it closes
             out[f"val/{k.removeprefix('val_')}" if k.startswith("val_") else f"epoch/{k.removeprefix('epoch_')}"] = v
         else:
             out[f"{kind or 'train'}/{k}"] = v
     return out
+
+
+def read_metrics(metrics_file: Path) -> list[dict]:
+    """metrics.jsonl's rows (`step`, `time`, `kind` and the figures by their grouped names). Lines
+    cut short by a crash are skipped; rows of run folders written before the figures were grouped
+    (`loss`, `val_accuracy`, ...) read under today's names."""
+    if not metrics_file.is_file():
+        return []
+    rows = []
+    for line in metrics_file.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append({**{k: row[k] for k in POSITION if k in row}, **figure_names(row)})
+    return rows
 
 
 def continue_record(metrics_file: Path, resumed_step: int | None) -> None:
