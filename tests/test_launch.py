@@ -1,5 +1,6 @@
 """The process a run lives in: torch threads under launchers, and what a launcher does to errors."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -160,3 +161,107 @@ def test_openmp_spins_briefly_unless_the_user_chose_a_wait():
     assert spin != ["10000"] and "OMP_WAIT_POLICY=ACTIVE" in out, (spin, out)
     spin, out = _gomp({}, "import torch, vramfit; torch.ones(2); print(vramfit.openmp.WAIT)")
     assert spin == ["300000"] and "torch was imported before vramfit" in out, (spin, out)
+
+
+
+def _shell_in_a_terminal(cwd):
+    """An interactive bash (job control on) on a fresh pty, as a terminal window has it. Returns
+    bash's process, the pty's master side and a list that fills with what the terminal shows."""
+    import threading
+
+    master, slave = os.openpty()
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "PS1": "PROMPT$ ", "TERM": "dumb"}
+    shell = subprocess.Popen(["bash", "--norc", "--noprofile", "-i"], cwd=cwd, env=env, stdin=slave, stdout=slave,
+                             stderr=slave, start_new_session=True)  # bash takes the pty as its terminal
+    os.close(slave)
+    shown = []
+
+    def read():
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: every process holding the terminal has ended
+                return
+            if not chunk:
+                return
+            shown.append(chunk.decode(errors="replace"))
+
+    threading.Thread(target=read, daemon=True).start()
+    return shell, master, shown
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ctrl_c_and_ctrl_z_under_accelerate_launch_in_a_terminal(tmp_path, workers):
+    """The README's `accelerate launch -q` typed into an interactive shell: Ctrl-Z stops the whole
+    job (the shell says Stopped and gives its prompt back), `fg` goes on training, and so do `bg`
+    and `fg` after a second Ctrl-Z; Ctrl-C then
+    reaches the trainer alone, which says so at once, saves, and has said "Stopped by signal 2"
+    before the shell's prompt returns; no traceback. The checkpoint holds the last completed step."""
+    import shlex
+    import signal
+    import time
+
+    import psutil
+
+    from helpers import tiny_args
+    from vramfit import checkpoint
+
+    run = tmp_path / "runs" / "k"
+    launch = readme_launch()
+    argv = [sys.executable, "-c", "from accelerate.commands.accelerate_cli import main; main()", launch[0],
+            "--cpu", "--num_processes", "1", *launch[1:],
+            *tiny_args("--set", "train.log_every_steps=1", "--set", "data.limit_train_samples=1437",
+                       "--set", f"data.num_workers={workers}", "--epochs", "3"),
+            "--output", str(tmp_path / "runs"), "--run-name", "k"]
+    shell, master, shown = _shell_in_a_terminal(tmp_path)
+
+    def rows():
+        return len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0
+
+    def wait_for(cond, what, timeout=120):
+        deadline = time.time() + timeout
+        while time.time() < deadline and not cond():
+            time.sleep(0.05)
+        assert cond(), f"{what}\n{''.join(shown)[-3000:]}"
+
+    try:
+        wait_for(lambda: "PROMPT$ " in "".join(shown), "no prompt", 30)
+        os.write(master, (shlex.join(argv) + "\n").encode())
+        wait_for(lambda: rows() >= 3, "training did not start")
+        (launcher,) = psutil.Process(shell.pid).children()
+        (trainer,) = launcher.children()
+        assert len(trainer.children()) == workers
+        os.write(master, b"\x1a")  # Ctrl-Z
+        wait_for(lambda: "Stopped" in "".join(shown), "the shell did not see the job stop", 20)
+        job = [launcher, trainer, *trainer.children()]
+        wait_for(lambda: all(p.status() == psutil.STATUS_STOPPED for p in job), "not all of the job stopped", 10)
+        stopped_at = rows()
+        time.sleep(1.0)
+        assert rows() == stopped_at
+        os.write(master, b"fg\n")
+        wait_for(lambda: rows() >= stopped_at + 2, "training did not go on after `fg`")
+        os.write(master, b"\x1a")  # stopped again, then on in the background, then in front again
+        wait_for(lambda: "".join(shown).count("Stopped") >= 2, "the shell did not see the job stop again", 20)
+        os.write(master, b"bg\n")
+        at = rows()
+        wait_for(lambda: rows() >= at + 2, "training did not go on after `bg`")
+        os.write(master, b"fg\n")
+        time.sleep(1.5)  # bash's `fg` of a running job sends no signal: the trainer looks twice a second
+        mark = len("".join(shown))
+        os.write(master, b"\x03")  # Ctrl-C
+        wait_for(lambda: "PROMPT$ " in "".join(shown)[mark:], "the prompt did not come back")
+        os.write(master, b"echo EXIT=$?; exit\n")
+        shell.wait(timeout=30)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    said = "".join(shown)
+    after = said[mark:]
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-3000:]
+    assert "signal 2 received" in after and "EXIT=1" in after, after[-3000:]
+    assert after.index("Stopped by signal 2 at global step") < after.index("PROMPT$ "), after[-3000:]
+    assert "[1]+  Stopped" in said[:mark]  # bash's own word for a stopped job
+    saved = checkpoint.latest(run / "checkpoints")
+    assert saved is not None and checkpoint.read_state(saved)["global_step"] >= stopped_at

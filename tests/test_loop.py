@@ -265,3 +265,24 @@ def test_outside_a_terminal_progress_is_a_plain_line_every_log_every_steps(train
     assert any(line.startswith("out of memory at micro-batch 16: global step 1 ran again at micro-batch 8") for line in lines)
     assert any(re.match(r"epoch 1/1: train loss [\d.]+, val accuracy [\d.]+ .* \| \d+ s, \d+ img/s$", line)
                for line in lines), lines
+
+
+def test_in_a_terminal_a_log_line_prints_once_above_the_bar(capsys):
+    """Log lines during an epoch go through tqdm (above the bar, never into it), and only there:
+    the console handler they would otherwise also reach is set aside for the epoch."""
+    import sys
+
+    from vramfit.progress import Progress
+
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stderr)  # as logging.basicConfig makes it, on today's stderr
+    root.addHandler(console)
+    try:
+        progress = Progress(True, 1, 10, 1, torch.device("cpu"), None, 0, terminal=True)
+        with progress.epoch(0, 0):
+            logging.getLogger("vramfit").warning("one line")
+            assert console not in root.handlers
+        assert console in root.handlers
+    finally:
+        root.removeHandler(console)
+    assert capsys.readouterr().err.count("one line") == 1

@@ -107,8 +107,10 @@ def start(cfg, run_dir: Path | None = None) -> Launch:
 
     from .gpucheck import check_gpu_recipe
     from .signals import end_with_parent
+    from .terminal import hold_foreground
 
     end_with_parent()
+    hold_foreground()  # Ctrl-C in a terminal reaches the trainer, not `accelerate launch` (terminal.py)
     check_gpu_recipe(cfg, torch.cuda.is_available())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     precision = precisions.here(cfg)

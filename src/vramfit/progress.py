@@ -56,7 +56,7 @@ class Progress:
         self.bar = tqdm(total=self.steps_per_epoch, initial=start_step, desc=f"epoch {epoch + 1}/{self.epochs}",
                         dynamic_ncols=True, leave=False)
         try:
-            with logging_redirect_tqdm(loggers=[log]):
+            with logging_redirect_tqdm(loggers=[logging.root]):  # where the console handler is
                 yield
         finally:
             self.bar.close()
