@@ -76,26 +76,24 @@ class Foreground:
     def continued(self, _signum=None, _frame=None) -> None:
         """Continued (`fg`, `bg`): in front again, or once the shell brings the job to the front
         (its `fg` of a job running in the background sends no signal, so a thread watches)."""
-        if os.getpid() != self.pid or os.getpgrp() != self.home:
-            return
-        try:
-            if os.tcgetpgrp(self.fd) == self.home:
-                self.take()
-                return
-        except OSError:
+        if os.getpid() != self.pid or os.getpgrp() != self.home or self._take_if_in_front() is not False:
             return
         if self.watcher is None or not self.watcher.is_alive():
             self.watcher = threading.Thread(target=self._take_when_in_front, daemon=True)
             self.watcher.start()
 
+    def _take_if_in_front(self) -> bool | None:
+        """Took the foreground (True), not in front yet (False), the terminal is gone (None)."""
+        try:
+            if os.tcgetpgrp(self.fd) != self.home:
+                return False
+            self.take()
+            return True
+        except OSError:
+            return None
+
     def _take_when_in_front(self) -> None:
-        while os.getpgrp() == self.home:
-            try:
-                if os.tcgetpgrp(self.fd) == self.home:
-                    self.take()
-                    return
-            except OSError:
-                return
+        while os.getpgrp() == self.home and self._take_if_in_front() is False:
             time.sleep(WATCH_SECONDS)
 
 
