@@ -112,7 +112,7 @@ class RunLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.use_trackers:
-            self.acc.log(scrub(figures), step=step)
+            self.acc.log(figures, step=step)  # numbers only: nothing to scrub
 
     def summary(self, summary: dict) -> None:
         """The run's final figures as the tracker's run summary (W&B's last-value default would show
@@ -163,17 +163,22 @@ def read_metrics(metrics_file: Path) -> list[dict]:
     """metrics.jsonl's rows (`step`, `time`, `kind` and the figures by their grouped names). Lines
     cut short by a crash are skipped; rows of run folders written before the figures were grouped
     (`loss`, `val_accuracy`, ...) read under today's names."""
+    return [{**{k: row[k] for k in POSITION if k in row}, **figure_names(row)} for _, row in _rows(metrics_file)]
+
+
+def _rows(metrics_file: Path) -> list[tuple[str, dict]]:
+    """Each whole line of metrics.jsonl with its object; lines cut short by a crash are left out."""
     if not metrics_file.is_file():
         return []
-    rows = []
+    out = []
     for line in metrics_file.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict):
-            rows.append({**{k: row[k] for k in POSITION if k in row}, **figure_names(row)})
-    return rows
+            out.append((line, row))
+    return out
 
 
 def continue_record(metrics_file: Path, resumed_step: int | None) -> None:
@@ -186,29 +191,17 @@ def continue_record(metrics_file: Path, resumed_step: int | None) -> None:
     if resumed_step is None:
         os.replace(metrics_file, metrics_file.with_name(f"{metrics_file.name}.before-{int(time.time())}"))
         return
-    kept = []
-    for line in metrics_file.read_text().splitlines():
-        try:
-            step = json.loads(line).get("step")
-        except (json.JSONDecodeError, AttributeError):
-            continue  # a line cut short by a crash
-        if isinstance(step, int) and step <= resumed_step:
-            kept.append(line + "\n")
+    kept = [line + "\n" for line, row in _rows(metrics_file)
+            if isinstance(row.get("step"), int) and row["step"] <= resumed_step]
     tmp = metrics_file.with_name(metrics_file.name + ".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, metrics_file)
 
 
 def _last_time(metrics_file: Path) -> float:
-    if not metrics_file.is_file():
-        return 0.0
-    for line in reversed(metrics_file.read_text().splitlines()):
-        try:
-            t = json.loads(line).get("time")
-        except (json.JSONDecodeError, AttributeError):
-            continue  # a line cut short by a crash
-        if isinstance(t, (int, float)):
-            return float(t)
+    for _, row in reversed(_rows(metrics_file)):
+        if isinstance(row.get("time"), (int, float)):
+            return float(row["time"])
     return 0.0
 
 
