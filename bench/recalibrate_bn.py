@@ -8,8 +8,8 @@ validation transform: what torch.optim.swa_utils.update_bn and "precise BN" do),
 validation accuracy before and after. If the small micro-batch's gap closes, the statistics were to
 blame; if it stays, the training was.
 
-    python bench/small_batch.py --out /tmp/sb        # the runs
-    python bench/recalibrate_bn.py /tmp/sb/micro32x1bntrain-s* /tmp/sb/micro8x4bntrainmomentumperstep-s*
+    python bench/small_batch.py --out /tmp/sb        # the runs, under /tmp/sb/suited
+    python bench/recalibrate_bn.py /tmp/sb/suited/micro32x1bntrain-s* /tmp/sb/suited/micro8x4bntrainmomentumperstep-s*
 """
 
 from __future__ import annotations

@@ -232,3 +232,83 @@ def test_no_nameable_head_and_sync_under_fsdp_are_refused(tmp_path, capsys, monk
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     run_dir, code = _main(tmp_path, *small_args("--set", "model.bn=sync"), run_name="fsdp")
     assert code == 2 and "cannot run under FSDP" in capsys.readouterr().err and not run_dir.exists()
+
+
+# ---- precise BatchNorm (model.precise_bn) ------------------------------------------------------
+
+class _Batch:
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+
+def _statistics_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4))
+    freezing.freeze(model, ["0", "1"])  # the first BatchNorm frozen: it keeps its statistics
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.5)
+    return model
+
+
+def _recalibrate(model, batches, stop=None):
+    from types import SimpleNamespace
+
+    from vramfit.validation import EvalState, recalibrate_batchnorm
+
+    acc = SimpleNamespace(device=torch.device("cpu"))
+    return recalibrate_batchnorm(acc, model, [_Batch(x, torch.zeros(len(x), dtype=torch.long)) for x in batches],
+                                 lambda x: x, EvalState(micro_batch=64), seed=0, stop_requested=stop)
+
+
+def test_precise_bn_is_an_equal_weight_average_and_leaves_frozen_norms_alone():
+    torch.manual_seed(1)
+    batches = [torch.randn(8, 3, 12, 12) * (1 + i) + i for i in range(5)]
+    model, ref = _statistics_model(), _statistics_model()
+    model[4].momentum = ref[4].momentum = 0.03
+    frozen_before = {k: b.clone() for k, b in model[1].named_buffers()}
+    assert _recalibrate(model, batches) == 5
+    # torch's own equal-weight recomputation on the same tensors, the frozen norm left out of it
+    ref[1].reset_running_stats = lambda: None
+    ref[1].momentum = 0.0
+    torch.optim.swa_utils.update_bn([(x, 0) for x in batches], ref)
+    assert torch.allclose(model[4].running_mean, ref[4].running_mean, atol=1e-6)
+    assert torch.allclose(model[4].running_var, ref[4].running_var, atol=1e-6)
+    assert all(torch.equal(b, frozen_before[k]) for k, b in model[1].named_buffers())
+    assert model[4].momentum == 0.03 and model.training and not model[1].training
+
+
+def test_precise_bn_interrupted_puts_the_statistics_back():
+    from vramfit.engine import StepInterrupted
+
+    model = _statistics_model()
+    before = {k: b.clone() for k, b in model.state_dict().items()}
+    calls = iter([0, 0, 15])
+    with pytest.raises(StepInterrupted):
+        _recalibrate(model, [torch.randn(4, 3, 12, 12) for _ in range(4)], stop=lambda: next(calls))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_precise_bn_changes_the_statistics_not_the_training_and_resumes_exactly(train_cli, pretrained):
+    common = small_args("--set", f"model.pretrained_path={pretrained}")
+    plain, code = train_cli(*common, run_name="plain")
+    assert code == 0
+    precise, code = train_cli(*common, "--set", "model.precise_bn=64", run_name="precise")
+    assert code == 0
+    a, b = _weights(plain, STEPS), _weights(precise, STEPS)
+    stats = [k for k in a if "running_" in k]
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in stats and "num_batches" not in k)
+    assert all(not torch.equal(a[k], b[k]) for k in stats)
+    exported = load_file(str(precise / "model" / "model.safetensors"))  # one epoch: the best
+    assert all(torch.equal(exported[k], b[k]) for k in stats)
+    cut, code = train_cli(*common, "--set", "model.precise_bn=64", "--set", "debug.signal_in_eval=1",
+                          run_name="cut")
+    assert code == 143
+    cut, code = train_cli(*common, "--set", "model.precise_bn=64", run_name="cut")
+    assert code == 0
+    c = _weights(cut, STEPS)
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    from vramfit.errors import VramfitError
+
+    with pytest.raises(VramfitError, match="precise_bn: 64 -> 0"):  # part of the maths
+        train_cli(*common, run_name="cut")

@@ -54,6 +54,11 @@ class ModelConfig(Section):
     # Names (prefixes) of modules or parameters to freeze for the whole run, e.g. ["conv1", "bn1",
     # "layer1"]: not trained, and their BatchNorm keeps its statistics (eval mode).
     freeze: list[str] = Field(default_factory=list)
+    # Precise BatchNorm: at the end of every epoch, before evaluating, every BatchNorm's running
+    # statistics are recomputed as an equal-weight average over this many train images (a fixed
+    # subset, the validation transform; 0: off), so evaluation and the exported model normalise by
+    # statistics of the final weights rather than a momentum average of small micro-batches.
+    precise_bn: int = Field(0, ge=0)
     # Exponential moving average of the weights (timm ModelEmaV3, with decay warmup); evaluated and
     # exported instead of the raw weights when set. Typical: 0.999 for fine-tuning.
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)

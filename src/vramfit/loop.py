@@ -21,7 +21,7 @@ from .engine import MicroBatchExhausted, NonFiniteLoss, StepInterrupted, oom_mes
 from .errors import VramfitError
 from .optim import head_lr
 from .progress import Progress
-from .validation import evaluate
+from .validation import evaluate, recalibrate_batchnorm
 
 if TYPE_CHECKING:
     from .phases import Phase
@@ -261,6 +261,7 @@ class Trainer:
             average_batchnorm(self.ema.module)
         eval_model = self.ema.module if self.ema is not None else self.model
         try:
+            self.precise_statistics(eval_model, epoch)
             res = evaluate(self.L.acc, eval_model, self.loaders.val, len(self.splits.class_names),
                            self.loaders.normalize, self.run.eval_state,
                            stop_requested=self.faults.in_eval(self.flag, epoch + 1),
@@ -285,6 +286,16 @@ class Trainer:
         self.save()
         signum = agree_max(self.flag.signum, self.L.acc.device)
         return self.stop(signum, "at the end of an epoch", save=False) if signum else 0
+
+    def precise_statistics(self, eval_model, epoch: int) -> None:
+        """model.precise_bn: the evaluated model's BatchNorm statistics recomputed over its train
+        images, then one average over processes (validation.recalibrate_batchnorm)."""
+        if not self.cfg.model.precise_bn:
+            return
+        recalibrate_batchnorm(self.L.acc, eval_model, self.loaders.statistics, self.loaders.normalize,
+                              self.run.eval_state, seed=self.cfg.train.seed * 100_003 + epoch,
+                              stop_requested=self.faults.in_eval(self.flag, epoch + 1))
+        average_batchnorm(eval_model)
 
     def export_best(self, eval_model) -> None:
         """model/: the best weights, timm-loadable. Sharded (FSDP) parameters are gathered into a

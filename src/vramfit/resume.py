@@ -23,7 +23,7 @@ log = logging.getLogger("vramfit")
 # Settings that change the maths of the run: a resumed run must share them.
 MATHS_KEYS = ("model", "image_size", "source", "data_identity", "global_batch", "optimizer", "lr",
               "seed", "epochs", "precision", "ema_decay", "split_seed", "freeze", "freeze_epochs", "layer_decay",
-              "unfreeze_warmup_epochs", "bn", "bn_momentum", "bn_momentum_per", "progressive_resize")
+              "unfreeze_warmup_epochs", "bn", "bn_momentum", "bn_momentum_per", "precise_bn", "progressive_resize")
 # Settings that only change how the run is executed: a change is said, not refused.
 EXECUTION_KEYS = ("micro_batch",)
 
@@ -59,7 +59,7 @@ def fingerprint(cfg: Config, precision: str) -> dict:
             "freeze": list(cfg.model.freeze), "freeze_epochs": cfg.train.freeze_epochs,
             "layer_decay": cfg.optim.layer_decay, "unfreeze_warmup_epochs": cfg.optim.unfreeze_warmup_epochs,
             "bn": cfg.model.bn, "bn_momentum": cfg.model.bn_momentum,
-            "bn_momentum_per": cfg.model.bn_momentum_per,
+            "bn_momentum_per": cfg.model.bn_momentum_per, "precise_bn": cfg.model.precise_bn,
             "progressive_resize": (cfg.data.progressive_resize.model_dump()
                                    if cfg.data.progressive_resize is not None else None)}
 

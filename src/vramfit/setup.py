@@ -379,6 +379,12 @@ def build_model(cfg: Config, L: Launch, num_classes: int) -> tuple[torch.nn.Modu
         data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
     if cfg.model.bn == "sync":
         model = sync_norms(model, L)
+    if cfg.model.precise_bn:
+        from .freezing import batch_statistics_norms
+
+        L.notes.append(f"BatchNorm: statistics recomputed at every epoch's end over {cfg.model.precise_bn} "
+                       "train images (precise_bn)" if batch_statistics_norms(model) else
+                       "BatchNorm: precise_bn changes nothing here (no BatchNorm follows its batches)")
     return model, data_cfg
 
 

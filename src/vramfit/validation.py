@@ -1,4 +1,5 @@
-"""One evaluation pass over the validation loader: exact accuracy across processes, OOM-safe."""
+"""One evaluation pass over the validation loader: exact accuracy across processes, OOM-safe; and
+the BatchNorm statistics it normalises by, recomputed first where model.precise_bn asks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from . import batching
 from .collectives import Status, StepVote, world_size
 from .engine import StepInterrupted, is_oom
+from .freezing import batch_statistics_norms
 from .metrics import ClassificationMetrics
 
 
@@ -77,20 +79,83 @@ def _evaluate(acc, model, loader, num_classes, normalize, state, stop_requested,
 
 def _forward_agreed(model, x, state: EvalState, vote, stop_requested, device):
     while True:
-        signum = int(stop_requested()) if stop_requested is not None else 0
-        status, logits = (Status.STOP, None) if signum else _forward(model, x, state.micro_batch)
-        if vote is not None:
-            zero = torch.zeros((), device=device)
-            verdict = vote.vote(status, signum, 0, zero, zero)
-            status, signum = verdict.status, verdict.signum or signum
-        if status == Status.STOP:
-            raise StepInterrupted(signum)
+        status, logits = _forward_voted(model, x, state, vote, stop_requested, device)
+        if status != Status.OOM:
+            return logits
+
+
+def _forward_voted(model, x, state: EvalState, vote, stop_requested, device):
+    """One forward of `x`, agreed between processes: a stop raises StepInterrupted everywhere; an
+    OOM anywhere shrinks the evaluation micro-batch everywhere and is returned for the caller to
+    retry."""
+    signum = int(stop_requested()) if stop_requested is not None else 0
+    status, logits = (Status.STOP, None) if signum else _forward(model, x, state.micro_batch)
+    if vote is not None:
+        zero = torch.zeros((), device=device)
+        verdict = vote.vote(status, signum, 0, zero, zero)
+        status, signum = verdict.status, verdict.signum or signum
+    if status == Status.STOP:
+        raise StepInterrupted(signum)
+    if status == Status.OOM:
+        if state.micro_batch == 1:
+            raise torch.OutOfMemoryError("out of memory evaluating one image at a time")
+        state.micro_batch = batching.smaller_micro_batch(state.micro_batch)
+    return status, logits
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(acc, model, loader, normalize, state: EvalState, seed: int,
+                          stop_requested=None) -> int:
+    """model.precise_bn: every BatchNorm that follows its batches (frozen ones keep theirs) gets
+    running statistics recomputed from scratch over `loader` (train images, validation transform),
+    each forward weighing the same (momentum None, what "precise BN" and swa_utils.update_bn do),
+    then averaged over processes by the caller. Train-mode forwards without gradients, under a
+    random state of their own (seeded), so dropout draws leave the training's stream alone. An
+    OOM restarts the pass at a smaller split (a half-counted pass would weigh batches unequally); a
+    stop puts the statistics back as they were, so the saved state is the trained one and a resumed
+    run recalibrates again. Hand-written rather than swa_utils.update_bn: that one resets the
+    statistics of frozen norms too and knows nothing of processes, OOM or stops. Returns the
+    number of forwards of the pass that counted."""
+    norms = batch_statistics_norms(model)
+    if not norms or loader is None:
+        return 0
+    before = [(m.momentum, {k: b.clone() for k, b in m.named_buffers()}) for m in norms]
+    vote = StepVote(acc.device) if world_size() > 1 else None
+    devices = [acc.device] if acc.device.type == "cuda" else []
+    was_training = model.training
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            while True:
+                forwards = _statistics_pass(acc, model, loader, normalize, state, vote, stop_requested, norms)
+                if forwards is not None:
+                    return forwards
+    except BaseException:
+        for m, (_, bufs) in zip(norms, before):
+            for k, b in m.named_buffers():
+                b.copy_(bufs[k])
+        raise
+    finally:
+        for m, (momentum, _) in zip(norms, before):
+            m.momentum = momentum
+        model.train(was_training)
+
+
+def _statistics_pass(acc, model, loader, normalize, state, vote, stop_requested, norms) -> int | None:
+    """One pass of recalibrate_batchnorm from reset statistics; None when an OOM asks for another."""
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    forwards = 0
+    for batch in loader:
+        readable = batch.labels >= 0  # an unreadable image is a blank (label -1): left out
+        x = normalize(batch.images[readable] if readable.sum() > 1 else batch.images)
+        status, _ = _forward_voted(model, x, state, vote, stop_requested, acc.device)
         if status == Status.OOM:
-            if state.micro_batch == 1:
-                raise torch.OutOfMemoryError("out of memory evaluating one image at a time")
-            state.micro_batch = batching.smaller_micro_batch(state.micro_batch)
-            continue
-        return logits
+            return None
+        forwards += -(-x.shape[0] // state.micro_batch)
+    return forwards
 
 
 def _forward(model, x, micro: int):

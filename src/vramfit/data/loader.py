@@ -352,6 +352,7 @@ class Loaders:
     workers: int  # loader worker processes per loader
     normalize: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
     workers_why: str = ""  # how `workers` was chosen, for the start line
+    statistics: torch.utils.data.DataLoader | None = None  # model.precise_bn's train images (statistics_loader)
 
 
 def seconds_per_sample(ds: ImageDataset, sampler: StepBatchSampler, budget: float = 0.3, most: int = 16) -> float:
@@ -391,5 +392,23 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
     pin = device_type == "cuda"
     train = make_loader(train_ds, batch_sampler=sampler, workers=workers, pin=pin)
     val = accelerator.prepare_data_loader(make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))
+    stats = None
+    if cfg.model.precise_bn:
+        stats_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, val_tf,
+                                cfg.data.image_size, cfg.train.seed, train=False)
+        stats = statistics_loader(stats_ds, cfg.model.precise_bn, eval_batch, cfg.train.seed,
+                                  accelerator.process_index, accelerator.num_processes, workers, pin)
     return Loaders(train, val, sampler, workers,
-                   normalizer(data_cfg, accelerator.device, cfg.model.channels_last), why)
+                   normalizer(data_cfg, accelerator.device, cfg.model.channels_last), why, stats)
+
+
+def statistics_loader(ds: ImageDataset, images: int, batch: int, seed: int, rank: int, world: int,
+                      workers: int, pin: bool) -> CheckedLoader:
+    """model.precise_bn's images: the first `images` of a fixed permutation of the train split
+    (seeded by the run), dealt to the processes so each holds as many, in batches of `batch`: every
+    process runs the same number of forwards (FSDP's collectives), and one process of a
+    multi-process run sees a share of the same set one process would see whole."""
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()[:images]
+    mine = order[rank::world][:len(order) // world]
+    return make_loader(ds, batch_sampler=[mine[i:i + batch] for i in range(0, len(mine), batch)],
+                       workers=workers, pin=pin)
