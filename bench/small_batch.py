@@ -24,7 +24,7 @@ A run whose summary.json is already in --out is read, not trained again.
 
 Prints a markdown table: final validation accuracy (mean and each seed) and wall seconds.
 
-    python bench/small_batch.py                 # CPU, ~8 minutes on 2 cores
+    python bench/small_batch.py                 # CPU, ~25 minutes on 2 idle cores
     python bench/small_batch.py --task distant
     python bench/small_batch.py --seeds 0 --epochs 2    # a quick look
 """
