@@ -44,7 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def base_args(args, output: Path) -> list[str]:
     out = ["train", "--recipe", args.recipe, "--data", "digits", "--output", str(output),
-           "--set", "model.pretrained=false", "--set", "train.log_every_steps=1000"]
+           "--set", "model.pretrained=false", "--set", "train.log_every_steps=1000",
+           # The whole network trains in every step (a staged recipe's head-only epoch is another
+           # fit: the probe runs in the phase the run starts in)
+           "--set", "train.freeze_epochs=0"]
     if args.model:
         out += ["--model", args.model]
     if args.image_size:

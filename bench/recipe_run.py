@@ -1,6 +1,6 @@
 """A shipped GPU recipe as a user runs it, for one short epoch, on a card capped to the recipe's.
 
-    python bench/recipe_run.py --recipe rtx3060            # GPU; ~1 min on an H200
+    python bench/recipe_run.py --recipe rtx3060            # GPU; ~1 min on an H200 (whole network)
     python bench/recipe_run.py --recipe rtx3060 --dry-run  # any machine: the command it would run
     python bench/recipe_run.py --recipe rtx3060 --staged   # + train.freeze_epochs=1 over 2 epochs
 
@@ -36,7 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def train_args(recipe: str, samples: int, output: Path, staged: bool = False) -> list[str]:
-    staging = ["--epochs", "2", "--set", "train.freeze_epochs=1"] if staged else ["--epochs", "1"]
+    # One epoch trains the whole network (a recipe that stages would spend it on the head alone);
+    # --staged gives the head-only epoch and the whole-network one, each against its own plan.
+    staging = (["--epochs", "2", "--set", "train.freeze_epochs=1"] if staged
+               else ["--epochs", "1", "--set", "train.freeze_epochs=0"])
     return ["train", "--recipe", recipe, "--data", "digits", *staging, "--output", str(output),
             "--run-name", recipe, "--set", "model.pretrained=false",
             "--set", f"data.limit_train_samples={samples}", "--set", "data.limit_val_samples=256"]

@@ -1,0 +1,53 @@
+"""The GPU benches of bench/gpu_check.sh build commands a GPU recipe accepts.
+
+They run only on a GPU, so a recipe change that makes one of their commands invalid (a staged
+recipe given one epoch) would first show on a lent device. Here each command as gpu_check.sh
+builds it must pass the configuration and stop at the GPU check: the one thing this machine lacks.
+"""
+
+import importlib.util
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import REPO
+from vramfit.cli import run
+from vramfit.config import build_config
+from vramfit.errors import VramfitError
+
+
+def bench(name: str):
+    sys.path.insert(0, str(REPO / "bench"))  # the benches import each other by name
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return module
+
+
+def commands(out):
+    recipe_run, fit_sweep, progressive = bench("recipe_run"), bench("fit_sweep"), bench("progressive")
+    yield recipe_run.train_args("rtx3060", 1024, out)
+    yield recipe_run.train_args("rtx3060", 512, out, staged=True)
+    for model in ("resnet50", "efficientnet_b0"):
+        ns = SimpleNamespace(recipe="rtx3060", model=model, image_size=224, train_samples=1024, epochs=4,
+                             resize_set=[])
+        share = build_config("rtx3060").train.global_batch  # fit_sweep's share on one process
+        for _, extra in fit_sweep.candidates(share):
+            yield [*fit_sweep.base_args(ns, out), "--epochs", "1", "--set", "train.fit=largest", *extra]
+        yield [*fit_sweep.base_args(ns, out), "--set", "train.fit=fastest"]
+        yield progressive.base_args(ns, out)
+        yield [*progressive.base_args(ns, out), *progressive.resize_args(ns)]
+
+
+def test_every_gpu_bench_command_is_a_valid_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    built = list(commands(tmp_path / "runs"))
+    assert len(built) > 10
+    for argv in built:
+        with pytest.raises(VramfitError) as e:
+            run([*argv, "--run-name", "check"])
+        assert "torch sees no GPU" in str(e.value), (argv, str(e.value))
