@@ -251,14 +251,30 @@ def _statistics_model():
     return model
 
 
-def _recalibrate(model, batches, stop=None):
+def _recalibrate(model, batches, stop=None, labels=None):
     from types import SimpleNamespace
 
     from vramfit.validation import EvalState, recalibrate_batchnorm
 
     acc = SimpleNamespace(device=torch.device("cpu"))
-    return recalibrate_batchnorm(acc, model, [_Batch(x, torch.zeros(len(x), dtype=torch.long)) for x in batches],
+    labels = labels or [torch.zeros(len(x), dtype=torch.long) for x in batches]
+    return recalibrate_batchnorm(acc, model, [_Batch(x, y) for x, y in zip(batches, labels)],
                                  lambda x: x, EvalState(micro_batch=64), seed=0, stop_requested=stop)
+
+
+def test_precise_bn_keeps_unreadable_blanks_out_of_the_statistics():
+    """A blank (label -1) is stood in for by a readable image of its batch: the statistics are
+    those of the batch with that image in the blank's place, and the shapes stay the same."""
+    torch.manual_seed(2)
+    x = torch.randn(6, 3, 12, 12) + 3
+    blanked = x.clone()
+    blanked[[1, 4]] = 0.0  # what an unreadable image arrives as
+    labels = torch.tensor([0, -1, 0, 0, -1, 0])
+    model, ref = _statistics_model(), _statistics_model()
+    _recalibrate(model, [blanked], labels=[labels])
+    _recalibrate(ref, [x[[0, 0, 2, 3, 2, 5]]])  # blanks 1 and 4 <- readable images 0 and 2
+    assert torch.allclose(model[4].running_mean, ref[4].running_mean, atol=1e-6)
+    assert torch.allclose(model[4].running_var, ref[4].running_var, atol=1e-6)
 
 
 def test_precise_bn_is_an_equal_weight_average_and_leaves_frozen_norms_alone():

@@ -149,13 +149,25 @@ def _statistics_pass(acc, model, loader, normalize, state, vote, stop_requested,
         m.momentum = None
     forwards = 0
     for batch in loader:
-        readable = batch.labels >= 0  # an unreadable image is a blank (label -1): left out
-        x = normalize(batch.images[readable] if readable.sum() > 1 else batch.images)
+        x = normalize(_blanks_replaced(batch.images, batch.labels))
         status, _ = _forward_voted(model, x, state, vote, stop_requested, acc.device)
         if status == Status.OOM:
             return None
         forwards += -(-x.shape[0] // state.micro_batch)
     return forwards
+
+
+def _blanks_replaced(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A statistics batch with each unreadable image (a blank, label -1) stood in for by a readable
+    one of the same batch: no blank enters the statistics, and every process still forwards the
+    same shapes in the same number of chunks (FSDP's collectives)."""
+    readable = (labels >= 0).nonzero().flatten().to(images.device)
+    if len(readable) == 0 or len(readable) == len(labels):
+        return images
+    blanks = (labels < 0).nonzero().flatten().to(images.device)
+    out = images.clone()
+    out[blanks] = images[readable[torch.arange(len(blanks), device=images.device) % len(readable)]]
+    return out
 
 
 def _forward(model, x, micro: int):

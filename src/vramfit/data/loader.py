@@ -410,5 +410,6 @@ def statistics_loader(ds: ImageDataset, images: int, batch: int, seed: int, rank
     multi-process run sees a share of the same set one process would see whole."""
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()[:images]
     mine = order[rank::world][:len(order) // world]
-    return make_loader(ds, batch_sampler=[mine[i:i + batch] for i in range(0, len(mine), batch)],
-                       workers=workers, pin=pin)
+    # A last batch of one image is left out: a train-mode BatchNorm over one value per channel fails.
+    batches = [b for b in (mine[i:i + batch] for i in range(0, len(mine), batch)) if len(b) > 1]
+    return make_loader(ds, batch_sampler=batches, workers=workers, pin=pin)
