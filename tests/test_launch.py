@@ -1,6 +1,7 @@
 """The process a run lives in: torch threads under launchers, and what a launcher does to errors."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -164,6 +165,63 @@ def test_openmp_spins_briefly_unless_the_user_chose_a_wait():
 
 
 
+class _BusyItems(torch.utils.data.Dataset):
+    """Samples that keep a worker's main thread in one long C call each (no Python code runs)."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        import hashlib
+
+        hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 8_000_000)  # about 2 s
+        return i
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTSTP"), reason="POSIX job control")
+def test_a_loader_worker_stopped_mid_sample_and_continued_keeps_loading():
+    """Ctrl-Z reaches the trainer's group (its loader workers with it), and terminal.py stops the
+    whole job and continues it on `fg`/`bg`. A worker that was in a long C call then must go on
+    loading: with the trainer's Python Ctrl-Z handler inherited through fork, it would run that
+    handler once continued, stop itself for good, and the trainer would wait on it forever."""
+    import time
+
+    import psutil
+
+    from vramfit.data.workers import init_worker
+
+    parent = os.getpid()
+
+    def ctrl_z(_signum, _frame):  # as terminal.Foreground.stop_job treats a process forked from it
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    old = signal.signal(signal.SIGTSTP, ctrl_z)
+    worker = batches = None
+    try:
+        loader = torch.utils.data.DataLoader(_BusyItems(), num_workers=1, worker_init_fn=init_worker,
+                                             prefetch_factor=1, timeout=30)
+        batches = iter(loader)
+        (worker,) = psutil.Process().children()
+        time.sleep(0.5)
+        assert worker.status() == psutil.STATUS_RUNNING, "the worker should be in its first sample's hash"
+        os.kill(worker.pid, signal.SIGTSTP)  # the terminal's Ctrl-Z (the kernel delivers it at once) ...
+        time.sleep(0.1)
+        os.kill(worker.pid, signal.SIGSTOP)  # ... and the trainer stopping its job before the worker ran Python
+        time.sleep(0.2)
+        os.kill(worker.pid, signal.SIGCONT)  # `fg`
+        try:
+            got = [int(b) for b in batches]
+        except RuntimeError as e:  # the loader's timeout
+            raise AssertionError(f"the worker is {worker.status()} after it was continued: {e}") from e
+        assert got == [0, 1]
+    finally:
+        signal.signal(signal.SIGTSTP, old)
+        if worker is not None and worker.is_running():  # a stopped worker would never see the loader end
+            os.kill(worker.pid, signal.SIGCONT)
+        del batches
+
+
 def _shell_in_a_terminal(cwd):
     """An interactive bash (job control on) on a fresh pty, as a terminal window has it. Returns
     bash's process, the pty's master side and a list that fills with what the terminal shows."""
@@ -248,6 +306,8 @@ def test_ctrl_c_and_ctrl_z_under_accelerate_launch_in_a_terminal(tmp_path, worke
         wait_for(lambda: rows() >= at + 2, "training did not go on after `bg`")
         os.write(master, b"fg\n")
         time.sleep(1.5)  # bash's `fg` of a running job sends no signal: the trainer looks twice a second
+        at = rows()
+        wait_for(lambda: rows() >= at + 1, "training did not go on after the last `fg`")
         mark = len("".join(shown))
         os.write(master, b"\x03")  # Ctrl-C
         wait_for(lambda: "PROMPT$ " in "".join(shown)[mark:], "the prompt did not come back")

@@ -36,7 +36,7 @@ class Foreground:
 
     fd: int
     home: int
-    pid: int  # the trainer's: forked loader workers inherit the Ctrl-Z handler, and stop as usual
+    pid: int  # the trainer's: a process forked from it that still has the Ctrl-Z handler stops as usual
     watcher: threading.Thread | None = field(default=None, repr=False)
 
     def take(self) -> None:

@@ -5,6 +5,14 @@ SIGTERM) must not kill them before the main process has saved its checkpoint. Th
 they also ignore the SIGTERM multiprocessing sends them when the main process exits, and its exit
 then waits on them forever (an error raised mid-epoch leaves the loader's workers running); so the
 main process ends them itself, at exit, with a signal they cannot ignore.
+
+Ctrl-Z and `fg`/`bg` act on workers through the kernel's defaults (terminal.py stops and continues
+the trainer's whole job): a forked worker inherits the trainer's Python handlers for SIGTSTP and
+SIGCONT, and a Python handler runs only when the worker's main thread next runs Python code. A
+worker busy in a long C call when it was stopped would run the Ctrl-Z handler after being continued
+and stop itself for good, and the trainer would wait on its batches forever (a Ctrl-C then says
+"saving" and never saves). The default action happens at once, and SIGCONT discards a stop still
+pending.
 """
 
 from __future__ import annotations
@@ -87,6 +95,9 @@ def init_worker(_worker_id: int) -> None:
     for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)):
         if s is not None:
             signal.signal(s, signal.SIG_IGN)
+    for s in (getattr(signal, "SIGTSTP", None), getattr(signal, "SIGCONT", None)):
+        if s is not None:
+            signal.signal(s, signal.SIG_DFL)
     torch.set_num_threads(1)
 
 
