@@ -347,6 +347,28 @@ def test_plan_text_without_budget_and_a_micro_batch_that_does_not_divide():
     assert "5 x 5" in res["text"]
 
 
+def test_plan_gives_progressive_resizing_a_micro_batch_per_size():
+    """`vramfit plan` with data.progressive_resize: every size the run may train at, with the
+    micro-batch the run would take there (larger at the small sizes, where more images fit the card;
+    never below the full size's) and the peak that bounds it, within the budget."""
+    from vramfit.resize import possible_sizes
+
+    cfg = cfg_of(model={"name": "resnet18"}, data={"image_size": 64, "progressive_resize": True},
+                 train={"global_batch": 1024, "micro_batch": "auto"}, hardware={"memory_gib": 3})
+    res = P.run_plan(cfg, 10, out=io.StringIO())
+    rows = res["sizes"]
+    assert [r["image_size"] for r in rows] == possible_sizes(cfg) and rows[0]["image_size"] == 32
+    micro = [r["micro_batch"] for r in rows]
+    assert micro == sorted(micro, reverse=True) and micro[-1] == res["micro_batch"] == 512 < micro[0]
+    assert all(r["predicted_peak_bytes"] <= res["budget_bytes"] for r in rows)
+    assert all(r["predicted_at_size"] >= r["image_size"] for r in rows)  # a carried peak is a larger size's
+    text = res["text"].splitlines()
+    at = text.index("progressive resizing: micro-batch per image size (the global batch is the same at every size)")
+    assert [line.split()[0] for line in text[at + 1:]] == ["32-52", "56-64"]
+    assert "sizes" not in P.run_plan(cfg.model_copy(update={"data": cfg.data.model_copy(
+        update={"progressive_resize": None})}), 10, out=io.StringIO())
+
+
 def _resnet50_plan():
     P.clear_profiles()
     cfg = cfg_of(model={"name": "resnet50"}, data={"image_size": 224},

@@ -41,6 +41,39 @@ def _micro_batch(cfg: Config, num_classes: int, per_proc: int, num_processes: in
     return resolve_micro_batch(requested, per_proc, pick=sized), pick
 
 
+def _size_rows(cfg: Config, num_classes: int, mb: MicroBatch, budget: int | None, precision: str,
+               num_processes: int, full_peak: int) -> list[dict]:
+    """Progressive resizing: the micro-batch at every size the run may train at, by the rule a run
+    follows (sizeplan): the planner's pick at each size where the micro-batch is its to pick on a
+    card, never below the full size's; otherwise the full size's micro-batch, whose peak bounds it."""
+    from ..resize import possible_sizes
+    from ..sizeplan import bisect_sizes, planner_pick
+
+    sizes = possible_sizes(cfg)
+    if budget is None or not mb.source.startswith("auto"):
+        picks = {s: (mb.size, full_peak, cfg.data.image_size) for s in sizes}
+    else:
+        picks = bisect_sizes(sizes, planner_pick(cfg, num_classes, mb, budget, precision, num_processes))
+    return [{"image_size": s, "micro_batch": m, "predicted_peak_bytes": peak, "predicted_at_size": at}
+            for s, (m, peak, at) in sorted(picks.items())]
+
+
+def _size_lines(rows: list[dict]) -> list[str]:
+    """The sizes in runs of one micro-batch, for the printed plan."""
+    lines, runs = ["progressive resizing: micro-batch per image size (the global batch is the same at every size)"], []
+    for row in rows:
+        if runs and runs[-1][0]["micro_batch"] == row["micro_batch"]:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    for group in runs:
+        lo, hi = group[0]["image_size"], group[-1]["image_size"]
+        px = f"{lo} px" if lo == hi else f"{lo}-{hi} px"
+        peak = max((r["predicted_peak_bytes"] or 0) for r in group)
+        lines.append(f"  {px:<12} micro-batch {group[0]['micro_batch']:>4}  predicted peak <= {_gib(peak)} GiB")
+    return lines
+
+
 def run_plan(cfg: Config, num_classes: int, num_processes: int = 1, memory_gib: float | None = None,
              micro_batch: int | None = None, as_json: bool = False, out=None,
              total_bytes: int | None = None) -> dict:
@@ -85,6 +118,8 @@ def run_plan(cfg: Config, num_classes: int, num_processes: int = 1, memory_gib: 
         "method": "fake-tensor trace of one step, linear in micro-batch" if prof.linear
                   else "fake-tensor trace of one step per micro-batch",
     }
+    if cfg.data.progressive_resize is not None:
+        result["sizes"] = _size_rows(cfg, num_classes, mb, budget, prec, num_processes, est.peak_bytes)
     result["planner_seconds"] = round(time.perf_counter() - t0, 2)
     result["text"] = format_plan(result)
     out = out if out is not None else sys.stdout
@@ -172,4 +207,6 @@ def format_plan(r: dict) -> str:
                          f"  ({a['why']})\n      {sets}")
     elif r["fits"] is False:
         lines.append("no single change found that fits; try a smaller data.image_size")
+    if r.get("sizes"):
+        lines += _size_lines(r["sizes"])
     return "\n".join(lines)
