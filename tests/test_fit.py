@@ -66,9 +66,13 @@ def test_a_short_run_probes_within_its_budget(train_cli, fit_cache):
     run_dir, code = train_cli(*tiny_args("--set", "train.fit=fastest"), run_name="short")
     assert code == 0
     s = _summary(run_dir)
-    # 3% of a one-epoch run: the settings as written at least, and never more than the budget allows
-    assert s["fit"]["candidates"][0]["outcome"] == "measured"
-    assert s["fit"]["probe_seconds"] <= 0.03 * s["wall_seconds"] + 1.0
+    # 3% of a 30-step run is about one step's time; probing a candidate takes three steps (one warm-up,
+    # two timed): the settings as written are measured (the run needs their step anyway) and nothing
+    # else. Counted, not timed: a loaded machine slows the probe and the run alike, but not evenly.
+    # (bench/fit_sweep.py measures the probe's share of the wall time.)
+    outcomes = [c["outcome"] for c in s["fit"]["candidates"]]
+    assert outcomes[0] == "measured" and len(outcomes) > 1
+    assert set(outcomes[1:]) <= {"not probed", "dropped by the planner"}, outcomes
 
 
 def test_rehearse_leaves_no_trace():
@@ -185,3 +189,80 @@ def test_a_probed_compilation_trains_as_the_chosen_settings_given_directly(train
     assert code == 0
     a, b = _last_weights(fast_dir), _last_weights(direct_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_staged_run_chooses_each_phases_micro_batch_and_resumes_bitwise_in_either(train_cli, fit_cache, monkeypatch):
+    """Staged fine-tuning: the head-only phase keeps the whole share (no candidate measures faster),
+    the whole network's phase measures micro 8 fastest when it begins and trains at it. A run cut in
+    the whole network's phase resumes with its recorded choice (no probe), one cut at the end of the
+    head phase chooses as the uninterrupted run did when the phase begins (from the cache); both end
+    bitwise equal to the uninterrupted run. Timing stands in (the choice is what is tested)."""
+    from vramfit import fit
+
+    def timed(run, s, batches):
+        fit.apply(run, s)
+        return 2000.0 if run.plan.phase == "all" and s.micro_batch == 8 else 1000.0
+
+    monkeypatch.setattr(fit, "measure", timed)
+    args = tiny_args(*FASTEST, "--epochs", "2", "--set", "train.freeze_epochs=1")
+    ref_dir, code = train_cli(*args, run_name="ref")
+    assert code == 0
+    s = _summary(ref_dir)
+    head, whole = s["fit"], s["fit"]["later_phases"][0]
+    assert (head["phase"], head["chosen"]["micro_batch"]) == ("head", 16)
+    assert (whole["phase"], whole["chosen"]["micro_batch"], whole["cached"]) == ("all", 8, False)
+    assert [c["settings"]["channels_last"] for c in whole["candidates"]] == [False] * len(whole["candidates"])
+    assert [(p["name"], p["micro_batch"]) for p in s["phases"]] == [("head", 16), ("all", 8)]
+    assert s["micro_batch"] == 8 and s["oom_retries"] == 0
+
+    def no_probe(*_):
+        raise AssertionError("a resume probed again")
+
+    for name, stop_at in (("cut-in-all", 34), ("cut-at-boundary", 30)):
+        monkeypatch.setattr(fit, "measure", timed)
+        cut_dir, code = train_cli(*args, "--set", f"debug.signal_at_step={stop_at}", run_name=name)
+        assert code == 143
+        monkeypatch.setattr(fit, "measure", no_probe)
+        cut_dir, code = train_cli(*args, run_name=name)
+        assert code == 0, name
+        again = _summary(cut_dir)
+        assert again["fit"]["later_phases"][0]["chosen"]["micro_batch"] == 8, name
+        assert [(p["name"], p["micro_batch"]) for p in again["phases"]] == [("head", 16), ("all", 8)], name
+        a, b = _last_weights(ref_dir), _last_weights(cut_dir)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_a_signal_during_a_later_phases_probe_stops_it_and_the_run_saves(train_cli, fit_cache, monkeypatch):
+    """SIGTERM while the whole network's phase measures its first candidate: no further candidate is
+    probed, the step runs with the best measured so far, the run saves and exits 143; the cut-short
+    choice is recorded for the resume (which does not probe) and not cached."""
+    import os
+    import signal
+
+    from vramfit import fit
+
+    def timed(run, s, batches):
+        fit.apply(run, s)
+        if run.plan.phase == "all":
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's own handler: it only records the signal
+        return 1000.0
+
+    monkeypatch.setattr(fit, "measure", timed)
+    args = tiny_args(*FASTEST, "--epochs", "2", "--set", "train.freeze_epochs=1")
+    run_dir, code = train_cli(*args, run_name="sig")
+    assert code == 143
+    last = max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert last.name in ("step-30", "step-31")  # the step was undone between micro-batches, or it ran
+    state = json.loads((last / "trainer_state.json").read_text())
+    whole = state["fit"]["later_phases"][0]
+    outcomes = [c["outcome"] for c in whole["candidates"]]
+    assert outcomes[0] == "measured" and set(outcomes[1:]) == {"not probed (a stop signal arrived)"}, outcomes
+    assert whole["chosen"]["micro_batch"] == 16
+    assert len(json.loads(fit_cache.read_text())) == 1  # the head phase's choice only
+
+    def no_probe(*_):
+        raise AssertionError("a resume probed again")
+
+    monkeypatch.setattr(fit, "measure", no_probe)
+    run_dir, code = train_cli(*args, run_name="sig")
+    assert code == 0 and _summary(run_dir)["fit"]["later_phases"][0]["chosen"]["micro_batch"] == 16

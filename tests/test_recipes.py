@@ -166,20 +166,21 @@ def _end_to_end(path, train_cli, tmp_path, photos, capsys, own_model: bool, imag
     assert [p["name"] for p in summary["phases"]] == (["head", "all"] if staged else ["all"])
     assert summary["precision"] == {"auto": "fp32"}.get(precision, precision)
     # GPU recipes choose the fastest fit: the settings as written run out of memory in its probe
-    # (above half the share), so it trains split in two from the start; the others split on the
-    # out-of-memory retry.
+    # (above half the share), so it trains split in two from the start, and so does a staged
+    # recipe's second phase, probed as it begins; the others split on the out-of-memory retry.
     fit = json.loads((ref / "summary.json").read_text())["fit"]
     assert fit["mode"] == summary["fit"]["mode"] == raw.get("train", {}).get("fit", "largest")
     fastest = fit["mode"] == "fastest"
     if fastest:
         assert fit["candidates"][0]["outcome"] == "out of memory"
+        later = [(r["phase"], r["candidates"][0]["outcome"]) for r in fit.get("later_phases", [])]
+        assert later == ([("all", "out of memory")] if staged else [])
     if raw.get("train", {}).get("compile") == "auto":  # measured only where the budget pays for compiling
         compiled = [c for c in fit["candidates"] if c["settings"]["compile"]]
         assert len(compiled) == 1 and compiled[0]["outcome"].startswith("not probed")
         assert not fit["chosen"]["compile"]
     assert (summary["micro_batch"], summary["grad_accum_steps"], summary["oom_retries"]) == (
-        GLOBAL_BATCH // 2, 2, 0 if fastest and not staged else 1)  # staged: the second phase takes its
-    # own plan's pick unprobed (the fit is chosen for the phase the run starts in): the retry splits it
+        GLOBAL_BATCH // 2, 2, 0 if fastest else 1)
     assert summary["skipped_steps"] < summary["global_step"]  # fp16: the loss scale let steps through
     model = _check_model_folder(cut, uses_ema)
     _check_predictions(cut, model, photos, capsys)

@@ -12,6 +12,13 @@ same candidates and takes the slowest process's time, so all agree on one choice
 cached per machine, model, image size, precision, batch split and library versions (a rerun or a
 resume does not probe again).
 
+Staged fine-tuning (`train.freeze_epochs`) changes what a step costs when the backbone starts to
+train: its gradients, optimizer state and saved activations. So each later phase has its micro-batch
+chosen again as it begins (`refit`), by the same measurement on its own first batches, with the
+memory layout, checkpointing and compilation the start chose kept (a change of layout mid-run would
+re-lay the parameters the optimizer already holds). The choices are recorded per phase (`later`), so
+a resume inside a later phase takes its own.
+
 `run` is a `setup.Run` throughout (not imported: setup records the FitResult).
 
 Written here because no library does it: DeepSpeed's autotuner runs separate experiments, and
@@ -78,11 +85,19 @@ class FitResult:
     chosen: Settings | None = None
     probe_seconds: float = 0.0
     cached: bool = False
+    phase: str = "all"  # the phase it was chosen for (phases.Phase.name): the one the run started in
+    later: list["FitResult"] = field(default_factory=list)  # each later phase's, as it began (refit)
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "candidates": [c.as_dict() for c in self.candidates],
-                "chosen": asdict(self.chosen) if self.chosen else None,
-                "probe_seconds": self.probe_seconds, "cached": self.cached}
+        out = {"mode": self.mode, "phase": self.phase, "candidates": [c.as_dict() for c in self.candidates],
+               "chosen": asdict(self.chosen) if self.chosen else None,
+               "probe_seconds": self.probe_seconds, "cached": self.cached}
+        if self.later:
+            out["later_phases"] = [r.as_dict() for r in self.later]
+        return out
+
+    def of_phase(self, name: str) -> "FitResult | None":
+        return next((r for r in (self, *self.later) if r.phase == name), None)
 
 
 def current(run) -> Settings:
@@ -96,38 +111,97 @@ def choose(run) -> FitResult:
     base = current(run)
     if cfg.train.fit != "fastest" or run.step.fsdp:
         return FitResult("largest", chosen=base)
-    result = FitResult("fastest")
-    key = cache_key(run)
-    hit = resumed(run) or _agreed_hit(run, cached(key))
-    if hit is not None:
-        result.candidates, result.chosen, result.cached = hit.candidates, hit.chosen, True
-    else:
-        started = time.perf_counter()
-        result.candidates, result.chosen = search(run, base)
-        result.probe_seconds = time.perf_counter() - started
-        if run.launch.main:
-            store(key, result)
-    apply(run, result.chosen)
+    saved = resumed(run)
+    if saved is not None and saved.phase != run.plan.phase:  # resumed in a later phase
+        return _resume_later(run, saved)
+    result = FitResult("fastest", phase=run.plan.phase, later=saved.later if saved else [])
+    probed = _probe_or_cache(run, result, saved, lambda: search(run, base))
+    apply(run, probed.chosen)
     run.state.fit = result.as_dict()
     return result
 
 
+def _probe_or_cache(run, result: FitResult, saved: FitResult | None, probe) -> FitResult:
+    """Fill `result` from a checkpoint's choice (`saved`), the cache, or `probe()`."""
+    key = cache_key(run)
+    hit = saved or _agreed_hit(run, cached(key))
+    if hit is not None:
+        result.candidates, result.chosen, result.cached = hit.candidates, hit.chosen, True
+        return result
+    started = time.perf_counter()
+    result.candidates, result.chosen = probe()
+    result.probe_seconds = time.perf_counter() - started
+    cut_short = any(c.outcome.endswith("(a stop signal arrived)") for c in result.candidates)
+    if run.launch.main and not cut_short:
+        store(key, result)
+    return result
+
+
 def resumed(run) -> FitResult | None:
-    """The choice the checkpoint's run made (same process count): a resume continues with it, at
-    the micro-batch an out-of-memory retry had come down to if it did."""
+    """The choices the checkpoint's run made (same process count): a resume continues with them,
+    in the phase it resumes in at the micro-batch an out-of-memory retry had come down to if it did."""
     point = run.start.point
     saved = point.state.fit if point is not None and point.state.world_size == run.launch.world else None
     try:
         result = from_dict(saved)
     except (TypeError, KeyError):
         return None
-    if run.plan.micro.source == "resumed":  # an out-of-memory retry had come down further
-        result.chosen = replace(result.chosen, micro_batch=min(result.chosen.micro_batch, run.plan.micro.size))
+    own = result.of_phase(run.plan.phase)
+    if own is not None and run.plan.micro.source == "resumed":  # an out-of-memory retry had come down further
+        own.chosen = replace(own.chosen, micro_batch=min(own.chosen.micro_batch, run.plan.micro.size))
     return result
 
 
-def search(run, base: Settings) -> tuple[list[Candidate], Settings]:
-    """Greedy: from the settings as written, try one change at a time while the budget lasts."""
+def _resume_later(run, saved: FitResult) -> FitResult:
+    """A resume in a phase after the first: the layout the run started with, and the phase's own
+    micro-batch (chosen now when the checkpoint was written before the phase began)."""
+    own = saved.of_phase(run.plan.phase)
+    apply(run, replace(saved.chosen, micro_batch=own.chosen.micro_batch if own else run.plan.micro.size))
+    run.state.fit = saved.as_dict()
+    if own is None:
+        from .phases import phase_at
+
+        refit(run, phase_at(run.phases, run.state.epoch), saved, run.sizes.size_at(run.state.global_step))
+    return saved
+
+
+def refit(run, phase, result: FitResult | None, size: int, stop=None) -> FitResult | None:
+    """A later phase begins (staged fine-tuning: the backbone starts to train) at image size `size`:
+    its micro-batch there chosen by measurement on its own first batches, the other settings kept
+    (see the module docstring), recorded in `result.later` and returned. Does nothing (None) under
+    `largest`, for a phase that already has its choice, or where its micro-batch is not vramfit's.
+    With progressive resizing the other sizes keep the planner's micro-batch. `stop`: as `search`'s
+    (a choice cut short by a signal is recorded for the resume, not cached)."""
+    if result is None or result.mode != "fastest" or result.of_phase(phase.name) is not None:
+        return None
+    plan = run.phase_plan(phase, size)
+    if not _vramfits_micro(plan):
+        return None
+    started_plan, run.plan = run.plan, plan  # the helpers below read the phase's own plan
+    try:
+        base = replace(current(run), micro_batch=plan.micro.size)
+        later = FitResult("fastest", phase=phase.name)
+        _probe_or_cache(run, later, None,
+                        lambda: search(run, base, phase.epochs * run.steps_per_epoch, layouts=False, stop=stop))
+        apply(run, later.chosen)
+    finally:
+        run.plan = started_plan
+    result.later.append(later)
+    run.state.fit = result.as_dict()
+    return later
+
+
+def _vramfits_micro(plan) -> bool:
+    """Whether the micro-batch of `plan` is vramfit's to choose (not written, not resumed)."""
+    return plan.micro.source == "whole share" or plan.micro.source.startswith("auto")
+
+
+def search(run, base: Settings, steps: int | None = None, layouts: bool = True,
+           stop=None) -> tuple[list[Candidate], Settings]:
+    """Greedy: from the settings as written, try one change at a time while the budget lasts (the
+    budget: a share of `steps` steps, the whole run's by default; `layouts`: try the other memory
+    layout too). `stop()` true on any process (a stop signal mid-run): no further candidate, so
+    the run saves within a step or so."""
     device, compile_auto = run.launch.acc.device, run.cfg.train.compile == "auto"  # before apply records a choice
     started = time.perf_counter()
     batches = first_batches(run, WARMUP_STEPS + TIMED_STEPS)
@@ -140,20 +214,23 @@ def search(run, base: Settings) -> tuple[list[Candidate], Settings]:
     # Decided on figures every process shares, so that all probe the same candidates.
     cost = _agreed_seconds(time.perf_counter() - measuring, device)  # what probing one candidate takes
     step_seconds = batches[0].step_samples / best.images_per_second if best.images_per_second else cost
-    budget = run.cfg.train.fit_probe_fraction * run.steps_per_epoch * run.cfg.train.epochs * _agreed_seconds(
+    steps = steps if steps is not None else run.steps_per_epoch * run.cfg.train.epochs
+    budget = run.cfg.train.fit_probe_fraction * steps * _agreed_seconds(
         expected_step_seconds(step_seconds, load_seconds, run.loaders.workers), device)
-    for settings in neighbours(run, base):
+    for settings in neighbours(run, base, layouts):
         cand = Candidate(settings, predicted_peak(run, settings))
         tried.append(cand)
         if not agree_min(int(fits(run, cand)), device):
             cand.outcome = "dropped by the planner"
+        elif stop is not None and any(c.images_per_second for c in tried) and agree_max(int(bool(stop())), device):
+            cand.outcome = "not probed (a stop signal arrived)"
         elif not any(c.images_per_second for c in tried) or \
                 _agreed_seconds(time.perf_counter() - started, device) + cost <= budget:
             # Until one fits, the probe does what the out-of-memory retry would do anyway.
             cand.images_per_second = measure(run, settings, batches)
             cand.outcome = "measured" if cand.images_per_second else "out of memory"
     measured = [c for c in tried if c.images_per_second]
-    if measured and compile_auto:
+    if measured and compile_auto and not (stop is not None and agree_max(int(bool(stop())), device)):
         tried.append(probe_compiled(run, leader(measured), batches,
                                     budget - _agreed_seconds(time.perf_counter() - started, device)))
         measured = [c for c in tried if c.images_per_second]
@@ -202,22 +279,23 @@ def _agreed_seconds(seconds: float, device) -> float:
     return agree_max(int(seconds * 1000), device) / 1000
 
 
-def neighbours(run, base: Settings) -> list[Settings]:
+def neighbours(run, base: Settings, layouts: bool = True) -> list[Settings]:
     """The candidates besides `base`, most promising first: the other memory layout, one and two
     halvings of the micro-batch (when vramfit chose it), and gradient checkpointing only where it
     fits a larger micro-batch than the largest without it (at an equal micro-batch it only adds a
-    forward)."""
-    out = [replace(base, channels_last=not base.channels_last)]
-    if run.plan.micro.source == "whole share" or run.plan.micro.source.startswith("auto"):  # vramfit's to choose
+    forward). `layouts` False: `base`'s memory layout only."""
+    flips = (False, True) if layouts else (False,)
+    out = [replace(base, channels_last=not base.channels_last)] if layouts else []
+    if _vramfits_micro(run.plan):
         smallest, m = run.plan.min_micro_batch, base.micro_batch
         for _ in range(2):
             m = batching.smaller_micro_batch(m)
             if m < smallest or m == base.micro_batch:
                 break
-            out += [replace(base, micro_batch=m), replace(base, micro_batch=m, channels_last=not base.channels_last)]
+            out += [replace(base, micro_batch=m, channels_last=base.channels_last != flip) for flip in flips]
     larger = larger_with_checkpointing(run, base)
     if larger:
-        out += [Settings(larger, cl, True) for cl in (base.channels_last, not base.channels_last)]
+        out += [Settings(larger, base.channels_last != flip, True) for flip in flips]
     return out
 
 
@@ -360,11 +438,13 @@ def cache_key(run) -> str:
 
     cfg, L = run.cfg, run.launch
     dev = torch.cuda.get_device_name(L.acc.device) if L.device_type == "cuda" else platform.processor() or "cpu"
+    plan = run.plan  # the phase's, at the size it is for
     parts = (platform.node(), dev, os.cpu_count(), torch.get_num_threads(), torch.__version__, timm.__version__,
-             cfg.model.name, cfg.data.image_size, cfg.data.progressive_resize, L.precision.name, L.world, run.plan.micro.per_process_batch,
-             run.plan.micro.size, run.plan.micro.source, cfg.model.channels_last, cfg.model.grad_checkpointing,
-             cfg.model.bn, ",".join(cfg.model.freeze), run.plan.phase, len(run.class_names), cfg.optim.name,
-             cfg.train.compile, cfg.data.num_workers, cfg.debug.simulate_oom_above, cfg.debug.fp16_on_cpu)
+             cfg.model.name, cfg.data.image_size, cfg.data.progressive_resize, L.precision.name, L.world,
+             plan.micro.per_process_batch, plan.micro.size, plan.micro.source, plan.image_size, plan.phase,
+             cfg.model.channels_last, cfg.model.grad_checkpointing, cfg.model.bn, ",".join(cfg.model.freeze),
+             len(run.class_names), cfg.optim.name, cfg.train.compile, cfg.data.num_workers,
+             cfg.debug.simulate_oom_above, cfg.debug.fp16_on_cpu)
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
@@ -385,7 +465,8 @@ def from_dict(saved: dict) -> FitResult:
     """A FitResult as `as_dict` wrote it (the cache, a checkpoint's trainer state)."""
     cands = [Candidate(Settings(**c["settings"]), c["predicted_peak_bytes"], c["images_per_second"], c["outcome"])
              for c in saved["candidates"]]
-    return FitResult("fastest", cands, Settings(**saved["chosen"]), cached=True)
+    return FitResult("fastest", cands, Settings(**saved["chosen"]), cached=True, phase=saved.get("phase", "all"),
+                     later=[from_dict(r) for r in saved.get("later_phases", [])])
 
 
 def store(key: str, result: FitResult) -> None:
@@ -408,8 +489,8 @@ def _agreed_hit(run, hit: FitResult | None) -> FitResult | None:
 
 
 # ---------------------------------------------------------------------------------- said at start
-def table(result: FitResult) -> str:
-    """The candidates the choice was made from, one line each."""
+def table(result: FitResult, named: bool = False) -> str:
+    """The candidates the choice was made from, one line each (`named`: say which phase's)."""
     rows = []
     for c in result.candidates:
         peak = f"{c.predicted_peak_bytes / 2**30:.2f} GiB" if c.predicted_peak_bytes else "n/a"
@@ -417,4 +498,5 @@ def table(result: FitResult) -> str:
         mark = "  <- chosen" if c.settings == result.chosen else ""
         rows.append(f"    {c.settings.label():<36} predicted {peak:>9}  {ips}{mark}")
     how = "cached from an earlier run" if result.cached else f"probed in {result.probe_seconds:.1f} s"
-    return f"fit: fastest ({how}):\n" + "\n".join(rows)
+    what = f" for the `{result.phase}` phase" if named else ""
+    return f"fit: fastest{what} ({how}):\n" + "\n".join(rows)

@@ -19,6 +19,7 @@ from . import checkpoint
 from .collectives import agree_max, agreed, average_batchnorm, full_state_dict, world_size
 from .engine import MicroBatchExhausted, NonFiniteLoss, StepInterrupted, oom_message
 from .errors import VramfitError
+from .fit import refit, table as fit_table
 from .optim import head_lr
 from .progress import Progress
 from .validation import evaluate, recalibrate_batchnorm
@@ -122,10 +123,13 @@ class Trainer:
         if self.L.device_type == "cuda" and self.size is not None:  # the segment that ends: its measured peak
             self.run.phase_peaks[(self.phase.name, self.size)] = torch.cuda.max_memory_reserved(self.L.acc.device)
             torch.cuda.reset_peak_memory_stats(self.L.acc.device)
-        new_phase, plan = phase != self.phase, self.run.phase_plan(phase, size)
+        new_phase, fitted = phase != self.phase, None
         if new_phase:
             enter(self.L.acc.unwrap_model(self.model), phase, self.phase)
             self.model.train()
+            # train.fit: fastest measures this phase's micro-batch (no further candidate after a signal)
+            fitted = refit(self.run, phase, self.run.fit, size, stop=lambda: self.flag.signum)
+        plan = self.run.phase_plan(phase, size)
         first = self.size is None
         micro = plan.micro.size if first or new_phase else min(plan.micro.size, self.step.state.micro_batch)
         said = not first and (new_phase or micro != self.step.state.micro_batch or self.run.sizes.on)
@@ -134,6 +138,8 @@ class Trainer:
         self.phase, self.size = phase, size
         if said and self.L.main:
             self.say_segment(epoch, plan, micro, new_phase)
+        if fitted is not None and self.L.main:
+            log.info("%s", fit_table(fitted, named=True))
 
     def say_segment(self, epoch: int, plan, micro: int, new_phase: bool) -> None:
         from .setup import phase_line

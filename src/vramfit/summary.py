@@ -82,7 +82,7 @@ def say_start(run) -> None:
     if run.fit is not None and run.fit.mode == "fastest":
         from .fit import table
 
-        log.info("%s", table(run.fit))
+        log.info("%s", table(run.fit.of_phase(run.plan.phase) or run.fit, named=len(run.phases) > 1))
     if point:
         log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", point.path,
                  point.state.epoch, point.state.step_in_epoch, point.state.global_step)
