@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from vramfit.config import Config, ProgressiveResize
 from vramfit.resize import Schedule, possible_sizes
-from vramfit.sizeplan import bisect_sizes, planner_pick
+from vramfit.planner.sizes import bisect_sizes, planner_pick
 
 RESIZE = ("--set", "data.progressive_resize=true", "--epochs", "2")
 

@@ -47,7 +47,7 @@ def _size_rows(cfg: Config, num_classes: int, mb: MicroBatch, budget: int | None
     follows (sizeplan): the planner's pick at each size where the micro-batch is its to pick on a
     card, never below the full size's; otherwise the full size's micro-batch, whose peak bounds it."""
     from ..resize import possible_sizes
-    from ..sizeplan import bisect_sizes, planner_pick
+    from .sizes import bisect_sizes, planner_pick
 
     sizes = possible_sizes(cfg)
     if budget is None or not mb.source.startswith("auto"):
