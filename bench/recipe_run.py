@@ -12,7 +12,8 @@ stopped after step 3 as SIGTERM would, resumed by the same command, then exporte
 planner's predicted peak against the measured device peak (summary.json's peak_memory_bytes, max_memory_reserved) and their ratio;
 writes $OUT/recipe_<name>.json ($OUT defaults to ./bench_out). With --staged the run trains the
 head alone for its first epoch, then everything for a second (a micro-batch plan per phase), and
-each phase's planned reserve is printed against its own measured peak (summary.json `phases`).
+each phase's planned reserve is printed against its own measured peak (summary.json `phases`), and
+`train.fit: fastest`'s choice for each phase (the whole network's measured as it begins).
 """
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ def phase_lines(summary: dict) -> list[str]:
         ratio = f" ({plan / seen:.3f}x)" if plan and seen else ""
         lines.append(f"  phase {p['name']}: micro {p['micro_batch']}, {p['trainable_params']:,} trainable; planned "
                      f"{(plan or 0) / gib:.2f} GiB, measured {(seen or 0) / gib:.2f} GiB{ratio}")
+    return lines
+
+
+def fit_lines(summary: dict) -> list[str]:
+    """train.fit: fastest's choice for each phase (the first at the start, a later one as it began)."""
+    fit = summary.get("fit") or {}
+    if fit.get("mode") != "fastest":
+        return []
+    lines = []
+    for r in (fit, *fit.get("later_phases", [])):
+        measured = [c for c in r["candidates"] if c["outcome"] == "measured"]
+        how = "cached" if r["cached"] else f"probed in {r['probe_seconds']:.1f} s"
+        lines.append(f"  fit for phase {r.get('phase', 'all')}: micro {r['chosen']['micro_batch']}"
+                     f"{', channels_last' if r['chosen']['channels_last'] else ''} ({how}; {len(measured)} of "
+                     f"{len(r['candidates'])} candidates measured, "
+                     f"{sum(c['outcome'] == 'out of memory' for c in r['candidates'])} out of memory)")
     return lines
 
 
@@ -117,7 +134,7 @@ def main(argv=None) -> int:
                                              "images_per_second", "best_accuracy")},
               "predicted_peak_bytes": predicted, "measured_peak_bytes": peak,
               "predicted_over_measured": predicted / peak if peak and predicted else None,
-              "phases": summary.get("phases")}
+              "phases": summary.get("phases"), "fit": summary.get("fit")}
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"recipe_{args.recipe}{'_staged' if args.staged else ''}"
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
@@ -128,7 +145,7 @@ def main(argv=None) -> int:
           f"{(predicted or 0) / gib:.2f} GiB, measured {(peak or 0) / gib:.2f} GiB"
           + (f" ({result['predicted_over_measured']:.3f}x)" if result["predicted_over_measured"] else ""))
     if args.staged:
-        print("\n".join(phase_lines(summary)))
+        print("\n".join(phase_lines(summary) + fit_lines(summary)))
     return 0 if stopped == 143 and code == 0 and exported == 0 else 1
 
 
