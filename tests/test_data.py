@@ -27,7 +27,7 @@ def test_split_folders(tmp_path):
     class_tree(tmp_path / "train", {"cat": 5, "dog": 4})
     class_tree(tmp_path / "val", {"cat": 2, "dog": 1}, seed=1)
     class_tree(tmp_path / "test", {"cat": 1, "dog": 1}, seed=2)
-    s = D.load_splits(cfg(tmp_path), seed=0)
+    s = D.load_splits(cfg(tmp_path))
     assert (len(s.train), len(s.val)) == (9, 3)
     assert s.class_names == ["cat", "dog"] and (s.image_column, s.label_column) == ("image", "label")
     assert sorted(s.val["label"]) == [0, 0, 1]

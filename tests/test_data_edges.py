@@ -126,7 +126,7 @@ def test_the_run_seed_does_not_choose_the_validation_images(tmp_path):
     def val_of(*sets):
         c = build_config(None, ["data.val_fraction=0.25", "data.limit_val_samples=6", *sets],
                          {"data.source": str(root)})
-        return paths(D.load_splits(c.data, c.train.seed).val)
+        return paths(D.load_splits(c.data).val)
 
     assert val_of("train.seed=1") == val_of("train.seed=2") == val_of()
     assert val_of("data.split_seed=1") != val_of()

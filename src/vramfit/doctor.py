@@ -162,7 +162,7 @@ def check_data(cfg) -> dict:
     from .data import ImageDataset, build_transforms, load_splits
     from .models import create_model, data_config
 
-    splits = load_splits(cfg.data, cfg.train.seed)
+    splits = load_splits(cfg.data)
     with torch.device("meta"):  # only the model's pretrained data config is needed
         model = create_model(cfg.model, len(splits.class_names), load_weights=False,
                              image_size=cfg.data.image_size)

@@ -70,14 +70,11 @@ class _Raw:
     empty_classes: list[str] = field(default_factory=list)
 
 
-def load_splits(cfg: DataConfig, seed: int | None = None, *, apply_limits: bool = True) -> Splits:
+def load_splits(cfg: DataConfig, *, apply_limits: bool = True) -> Splits:
     """The train and validation splits of a run: the source's own validation split, or a stratified
     hold-out of train seeded by `data.split_seed`; then the `data.limit_*_samples` subsets (same seed).
-
-    `seed` is accepted for callers of the earlier signature and ignored: the run seed must not
-    decide which images are validation images.
+    The run seed plays no part: it must not decide which images are validation images.
     """
-    del seed
     src = load_source(cfg)
     train, val, notes = src.train, src.val, list(src.notes)
     if val is None:
