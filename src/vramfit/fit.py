@@ -52,6 +52,7 @@ TIMED_STEPS = 2  # the fastest of these is the candidate's time (least disturbed
 # takes ~40 s for test_resnet on 2 CPU cores (tests/test_compile.py) and about as long for a
 # ResNet50 on a GPU host; the probe compiles only where its budget has this much left.
 COMPILE_PROBE_SECONDS = 60.0
+STOPPED = "not probed (a stop signal arrived)"  # a candidate's outcome once a stop signal came mid-run
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,8 @@ def choose(run) -> FitResult:
     if saved is not None and saved.phase != run.plan.phase:  # resumed in a later phase
         return _resume_later(run, saved)
     result = FitResult("fastest", phase=run.plan.phase, later=saved.later if saved else [])
-    probed = _probe_or_cache(run, result, saved, lambda: search(run, base))
-    apply(run, probed.chosen)
+    _probe_or_cache(run, result, saved, lambda: search(run, base))
+    apply(run, result.chosen)
     run.state.fit = result.as_dict()
     return result
 
@@ -131,7 +132,7 @@ def _probe_or_cache(run, result: FitResult, saved: FitResult | None, probe) -> F
     started = time.perf_counter()
     result.candidates, result.chosen = probe()
     result.probe_seconds = time.perf_counter() - started
-    cut_short = any(c.outcome.endswith("(a stop signal arrived)") for c in result.candidates)
+    cut_short = any(c.outcome == STOPPED for c in result.candidates)
     if run.launch.main and not cut_short:
         store(key, result)
     return result
@@ -203,6 +204,10 @@ def search(run, base: Settings, steps: int | None = None, layouts: bool = True,
     layout too). `stop()` true on any process (a stop signal mid-run): no further candidate, so
     the run saves within a step or so."""
     device, compile_auto = run.launch.acc.device, run.cfg.train.compile == "auto"  # before apply records a choice
+
+    def stopping() -> bool:  # agreed: every process asks at the same point
+        return stop is not None and bool(agree_max(int(bool(stop())), device))
+
     started = time.perf_counter()
     batches = first_batches(run, WARMUP_STEPS + TIMED_STEPS)
     load_seconds = (time.perf_counter() - started) / len(batches)  # reading one batch in one process
@@ -222,15 +227,15 @@ def search(run, base: Settings, steps: int | None = None, layouts: bool = True,
         tried.append(cand)
         if not agree_min(int(fits(run, cand)), device):
             cand.outcome = "dropped by the planner"
-        elif stop is not None and any(c.images_per_second for c in tried) and agree_max(int(bool(stop())), device):
-            cand.outcome = "not probed (a stop signal arrived)"
+        elif any(c.images_per_second for c in tried) and stopping():
+            cand.outcome = STOPPED
         elif not any(c.images_per_second for c in tried) or \
                 _agreed_seconds(time.perf_counter() - started, device) + cost <= budget:
             # Until one fits, the probe does what the out-of-memory retry would do anyway.
             cand.images_per_second = measure(run, settings, batches)
             cand.outcome = "measured" if cand.images_per_second else "out of memory"
     measured = [c for c in tried if c.images_per_second]
-    if measured and compile_auto and not (stop is not None and agree_max(int(bool(stop())), device)):
+    if measured and compile_auto and not stopping():
         tried.append(probe_compiled(run, leader(measured), batches,
                                     budget - _agreed_seconds(time.perf_counter() - started, device)))
         measured = [c for c in tried if c.images_per_second]
