@@ -277,6 +277,18 @@ def test_precise_bn_keeps_unreadable_blanks_out_of_the_statistics():
     assert torch.allclose(model[4].running_var, ref[4].running_var, atol=1e-6)
 
 
+def test_precise_bn_counts_nothing_of_a_batch_of_unreadable_images_only():
+    torch.manual_seed(3)
+    x = torch.randn(6, 3, 12, 12) + 3
+    model, ref = _statistics_model(), _statistics_model()
+    blanks = torch.zeros(4, 3, 12, 12)
+    assert _recalibrate(model, [x, blanks], labels=[torch.zeros(6, dtype=torch.long), torch.full((4,), -1)]) == 1
+    assert _recalibrate(ref, [x]) == 1
+    for k, b in ref[4].named_buffers():
+        assert torch.equal(model[4].get_buffer(k), b), k
+    assert [m.training for m in model.modules()] == [m.training for m in ref.modules()]  # modes put back
+
+
 def test_precise_bn_is_an_equal_weight_average_and_leaves_frozen_norms_alone():
     torch.manual_seed(1)
     batches = [torch.randn(8, 3, 12, 12) * (1 + i) + i for i in range(5)]

@@ -150,17 +150,27 @@ def _statistics_pass(acc, model, loader, normalize, state, vote, stop_requested,
     forwards = 0
     for batch in loader:
         x = normalize(_blanks_replaced(batch.images, batch.labels))
-        status, _ = _forward_voted(model, x, state, vote, stop_requested, acc.device)
+        # A batch without one readable image is forwarded (every process runs the same forwards:
+        # FSDP's collectives) with the norms in eval mode, so it counts for nothing.
+        counted = bool((batch.labels >= 0).any())
+        for m in norms:
+            m.train(counted)
+        try:
+            status, _ = _forward_voted(model, x, state, vote, stop_requested, acc.device)
+        finally:
+            for m in norms:
+                m.train(True)
         if status == Status.OOM:
             return None
-        forwards += -(-x.shape[0] // state.micro_batch)
+        forwards += -(-x.shape[0] // state.micro_batch) if counted else 0
     return forwards
 
 
 def _blanks_replaced(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """A statistics batch with each unreadable image (a blank, label -1) stood in for by a readable
     one of the same batch: no blank enters the statistics, and every process still forwards the
-    same shapes in the same number of chunks (FSDP's collectives)."""
+    same shapes in the same number of chunks (FSDP's collectives). A batch of blanks only is left
+    as it is (its caller does not count it)."""
     readable = (labels >= 0).nonzero().flatten().to(images.device)
     if len(readable) == 0 or len(readable) == len(labels):
         return images
