@@ -76,7 +76,8 @@ def test_killing_the_launcher_saves_and_the_rerun_resumes_bitwise(tmp_path, trai
     launcher.wait(timeout=60)
     gone, alive = psutil.wait_procs(trainers, timeout=120)
     said = launcher.stderr.read()  # the trainer writes into the pipe the launcher left it
-    assert not alive and len(gone) == 1 and "Stopped by signal 15 at global step" in said, said[-2000:]
+    codes = [p.returncode for p in gone]  # psutil's: the exit status, or -N for death by signal N
+    assert not alive and len(gone) == 1 and "Stopped by signal 15 at global step" in said, (codes, said[-2000:])
     saved = checkpoint.latest(tmp_path / "runs" / "k" / "checkpoints")
     assert saved is not None and 4 <= checkpoint.read_state(saved)["global_step"] < 15
     assert not json.loads((tmp_path / "runs" / "k" / "summary.json").read_text())["finished"]
