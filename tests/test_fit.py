@@ -268,3 +268,113 @@ def test_a_signal_during_a_later_phases_probe_stops_it_and_the_run_saves(train_c
     monkeypatch.setattr(fit, "measure", no_probe)
     run_dir, code = train_cli(*args, run_name="sig")
     assert code == 0 and _summary(run_dir)["fit"]["later_phases"][0]["chosen"]["micro_batch"] == 16
+
+
+def _size_picks(monkeypatch, pick):
+    """A card's planner picks per image size, on a CPU: `pick(size)` (the micro-batch) at the sizes
+    below the full one (the full size keeps the whole share of 16)."""
+    from vramfit import sizeplan
+
+    monkeypatch.setattr(sizeplan, "size_pick", lambda run, phase, plan: lambda size: (pick(size), None))
+
+
+def test_progressive_resizing_measures_each_fit_segment_and_resumes_bitwise(train_cli, fit_cache, monkeypatch):
+    """Progressive resizing over 16-32 px with the planner (stood in) picking micro 16 up to 20 px
+    and 8 at 24-28 px: three fit segments (16, 24 and 32 px), each measured as it begins on its
+    own batches, the choice held at every size of its segment. A run cut inside the 24 px segment
+    or before it resumes without probing what its checkpoint holds and ends bitwise equal to the
+    uninterrupted run."""
+    from vramfit import fit
+    from vramfit.config import ProgressiveResize
+    from vramfit.resize import Schedule
+
+    fastest = {16: 8, 24: 4, 32: 16}  # segment -> the micro-batch its batches measure fastest at
+    seen = []
+
+    def timed(run, s, batches):
+        fit.apply(run, s)
+        size = batches[0].images.shape[-1]
+        seen.append(size)
+        start = max(k for k in fastest if k <= size)
+        return 2000.0 if s.micro_batch == fastest[start] and not s.channels_last else 1000.0
+
+    _size_picks(monkeypatch, lambda size: 16 if size <= 20 else 8)
+    monkeypatch.setattr(fit, "measure", timed)
+    args = tiny_args(*FASTEST, "--epochs", "2", "--set", "data.progressive_resize=true")
+    ref_dir, code = train_cli(*args, run_name="ref")
+    assert code == 0
+    s = _summary(ref_dir)
+    segments = [(r["image_size"], r["chosen"]["micro_batch"], r["cached"])
+                for r in (s["fit"], *s["fit"]["later_phases"])]
+    assert segments == [(16, 8, False), (24, 4, False), (32, 16, False)]
+    assert set(seen) == {16, 24, 32}  # each measured on batches at its own first size
+    assert [(p["image_size"], p["micro_batch"]) for p in s["phases"]] == [(16, 8), (20, 8), (24, 4), (28, 4), (32, 16)]
+    assert s["micro_batch"] == 16 and s["oom_retries"] == 0
+    rows = [json.loads(line) for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {(r["train/image_size"], r["train/micro_batch"]) for r in rows if r.get("kind") == "train"} <= \
+        {(16, 8), (20, 8), (24, 4), (28, 4), (32, 16)}
+
+    spans = Schedule(32, 60, ProgressiveResize()).spans
+    begins = next(sp.first_step for sp in spans if sp.image_size == 24)  # steps done before 24 px
+
+    # (A signal right after the last step before 24 px would cut that segment's probe short, and the
+    # resume takes the cut-short choice, as for a phase: see the test below; one step earlier it does not.)
+    for name, stop_at in (("cut-inside", begins + 2), ("cut-before", begins - 1)):
+        fit_cache.unlink()  # what a resume does not measure comes from its checkpoint
+        cut_dir, code = train_cli(*args, "--set", f"debug.signal_at_step={stop_at}", run_name=name)
+        assert code == 143
+        seen.clear()
+        cut_dir, code = train_cli(*args, run_name=name)
+        assert code == 0, name
+        # Measured on resuming: the segments the cut run had not begun (32 px; 24 px too when it was
+        # cut before 24 px began), never one whose choice the checkpoint holds.
+        assert 32 in seen and 16 not in seen and (24 not in seen or name == "cut-before"), (name, seen)
+        again = _summary(cut_dir)
+        assert [(p["image_size"], p["micro_batch"]) for p in again["phases"]] == \
+            [(16, 8), (20, 8), (24, 4), (28, 4), (32, 16)], name
+        a, b = _last_weights(ref_dir), _last_weights(cut_dir)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_a_fit_segment_too_short_to_measure_joins_the_one_before():
+    """A change of the planner's micro-batch whose steps cannot pay for measuring one candidate
+    (3 steps) within the probe's share keeps the segment before's choice, capped by the planner's
+    micro-batch at each size; a new phase always begins its own segment."""
+    from types import SimpleNamespace
+
+    from vramfit import batching, sizeplan
+    from vramfit.config import ProgressiveResize
+    from vramfit.phases import Phase
+    from vramfit.resize import Schedule
+    from vramfit.setup import Plan
+
+    head, whole = Phase("head", 0, 1, ("body",)), Phase("all", 1, 2, ())
+    picks = {16: 16, 20: 16, 24: 8, 28: 8, 32: 4}
+    plans = {(p.name, s): Plan(batching.MicroBatch(m, 16, "auto"), "auto", 1, "no", phase=p.name, image_size=s)
+             for p in (head, whole) for s, m in picks.items()}
+    run = SimpleNamespace(phases=[head, whole], sizes=Schedule(32, 60, ProgressiveResize()), steps_per_epoch=30,
+                          cfg=SimpleNamespace(data=SimpleNamespace(image_size=32)), fit_segments={},
+                          phase_plan=lambda phase, size=None: plans[(phase.name, size or 32)])
+    steps = {sp.image_size: sp.steps for sp in run.sizes.spans}
+    # What the step counts below rest on: 30 steps at 16 px in the head phase, then 3 at 16 px, 4 at 20,
+    # 9 at 24-28 and 14 at 32 in the whole network's.
+    assert (steps[16], steps[20], steps[24] + steps[28], steps[32]) == (33, 4, 9, 14)
+
+    run.fit_segments = sizeplan.fit_segments(run, min_steps=3)
+    assert run.fit_segments == {("head", 16): 16, ("all", 16): 16, ("all", 20): 16, ("all", 24): 24,
+                                ("all", 28): 24, ("all", 32): 32}
+    assert sizeplan.segment_steps(run, whole, 24) == 9 and sizeplan.segment_steps(run, head, 16) == 30
+    run.fit_segments = sizeplan.fit_segments(run, min_steps=12)  # 9 steps at 24-28 px join 16-20 px's
+    assert [run.fit_segments[("all", s)] for s in (16, 20, 24, 28, 32)] == [16, 16, 16, 16, 32]
+    assert sizeplan.segment_steps(run, whole, 16) == 16 and sizeplan.segment_sizes(run, "all", 16) == [16, 20, 24, 28]
+    run.fit_segments = sizeplan.fit_segments(run, min_steps=31)  # a new phase begins its own segment anyway
+    assert run.fit_segments[("all", 16)] == 16 and run.fit_segments[("all", 32)] == 16
+
+    run.fit_segments = sizeplan.fit_segments(run, min_steps=12)
+    sizeplan.hold(run, whole, 16, 16, None)
+    assert [plans[("all", s)].micro.size for s in (16, 20, 24, 28, 32)] == [16, 16, 8, 8, 4]  # capped; 32 px untouched
+    sizeplan.hold(run, whole, 16, 4, 123)
+    assert [plans[("all", s)].micro.size for s in (16, 20, 24, 28)] == [4, 4, 4, 4]
+    assert plans[("all", 16)].predicted_peak_bytes == 123 and plans[("all", 24)].micro.source == "fit: fastest"
+    assert plans[("all", 24)].predicted_peak_bytes is None  # the planner's bound for its micro 8 (none here)
+    assert [plans[("head", s)].micro.size for s in picks] == list(picks.values())  # the other phase's untouched

@@ -19,6 +19,12 @@ memory layout, checkpointing and compilation the start chose kept (a change of l
 re-lay the parameters the optimizer already holds). The choices are recorded per phase (`later`), so
 a resume inside a later phase takes its own.
 
+Progressive resizing changes what a step costs with every size, and where the planner's
+micro-batch changes so do the candidates: the sizes of a phase that share the planner's
+micro-batch are one fit segment (sizeplan.fit_segments), and each has its micro-batch chosen as
+it begins, in the same way, where its steps pay for measuring one candidate within its share
+(a short segment keeps the planner's micro-batch). The choice holds at every size of the segment.
+
 `run` is a `setup.Run` throughout (not imported: setup records the FitResult).
 
 Written here because no library does it: DeepSpeed's autotuner runs separate experiments, and
@@ -35,6 +41,7 @@ import logging
 import os
 import platform
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 import torch
@@ -42,6 +49,7 @@ import torch
 from . import batching
 from .caches import read_entry, write_entry
 from .collectives import agree_max, agree_min
+from .sizeplan import first_plan, hold, segment_start, segment_steps
 
 log = logging.getLogger("vramfit")
 
@@ -87,18 +95,25 @@ class FitResult:
     probe_seconds: float = 0.0
     cached: bool = False
     phase: str = "all"  # the phase it was chosen for (phases.Phase.name): the one the run started in
-    later: list["FitResult"] = field(default_factory=list)  # each later phase's, as it began (refit)
+    image_size: int | None = None  # the first size of its fit segment (None: written before segments)
+    later: list["FitResult"] = field(default_factory=list)  # each later segment's, as it began (refit)
 
     def as_dict(self) -> dict:
-        out = {"mode": self.mode, "phase": self.phase, "candidates": [c.as_dict() for c in self.candidates],
+        out = {"mode": self.mode, "phase": self.phase, "image_size": self.image_size,
+               "candidates": [c.as_dict() for c in self.candidates],
                "chosen": asdict(self.chosen) if self.chosen else None,
                "probe_seconds": self.probe_seconds, "cached": self.cached}
         if self.later:
             out["later_phases"] = [r.as_dict() for r in self.later]
         return out
 
-    def of_phase(self, name: str) -> "FitResult | None":
-        return next((r for r in (self, *self.later) if r.phase == name), None)
+    def is_for(self, phase: str, start: int) -> bool:
+        """Whether it is the choice of the fit segment of `phase` beginning at size `start`."""
+        return self.phase == phase and self.image_size in (None, start)
+
+    def of(self, phase: str, start: int) -> "FitResult | None":
+        """The choice of that fit segment, if one was made."""
+        return next((r for r in (self, *self.later) if r.is_for(phase, start)), None)
 
 
 def current(run) -> Settings:
@@ -109,17 +124,43 @@ def current(run) -> Settings:
 def choose(run) -> FitResult:
     """Choose and apply the run's fit (a no-op for `largest`, FSDP, and a fixed everything)."""
     cfg = run.cfg
-    base = current(run)
     if cfg.train.fit != "fastest" or run.step.fsdp:
-        return FitResult("largest", chosen=base)
-    saved = resumed(run)
-    if saved is not None and saved.phase != run.plan.phase:  # resumed in a later phase
-        return _resume_later(run, saved)
-    result = FitResult("fastest", phase=run.plan.phase, later=saved.later if saved else [])
-    _probe_or_cache(run, result, saved, lambda: search(run, base))
-    apply(run, result.chosen)
+        return FitResult("largest", chosen=current(run))
+    phase = next(p for p in run.phases if p.name == run.plan.phase)
+    start = segment_start(run, phase.name, run.sizes.size_at(run.state.global_step))
+    saved = resumed(run, start)
+    if saved is not None and not saved.is_for(phase.name, start):  # resumed in a later segment
+        return _resume_later(run, saved, phase, start)
+    result = FitResult("fastest", phase=phase.name, image_size=start, later=saved.later if saved else [])
+    with _segment(run, phase, start) as plan:
+        base = replace(current(run), micro_batch=plan.micro.size)
+        _probe_or_cache(run, result, saved, lambda: search(run, base))
+        _take(run, phase, start, result)
     run.state.fit = result.as_dict()
     return result
+
+
+@contextmanager
+def _segment(run, phase, start: int):
+    """While choosing a fit segment's settings, `run.plan` is the plan of its first size (the
+    helpers read it: the micro-batch to start from, what is the planner's to pick, the peak)."""
+    started_plan = run.plan
+    run.plan = first_plan(run, phase, start)
+    try:
+        yield run.plan
+    finally:
+        run.plan = started_plan
+
+
+def _take(run, phase, start: int, result: FitResult) -> None:
+    """Execute with `result`'s choice, held at every size of its segment (inside `_segment`)."""
+    apply(run, result.chosen)
+    peak = _chosen_peak(result)
+    hold(run, phase, start, result.chosen.micro_batch, peak if peak is not None else predicted_peak(run, result.chosen))
+
+
+def _chosen_peak(result: FitResult) -> int | None:
+    return next((c.predicted_peak_bytes for c in result.candidates if c.settings == result.chosen), None)
 
 
 def _probe_or_cache(run, result: FitResult, saved: FitResult | None, probe) -> FitResult:
@@ -138,58 +179,67 @@ def _probe_or_cache(run, result: FitResult, saved: FitResult | None, probe) -> F
     return result
 
 
-def resumed(run) -> FitResult | None:
+def resumed(run, start: int) -> FitResult | None:
     """The choices the checkpoint's run made (same process count): a resume continues with them,
-    in the phase it resumes in at the micro-batch an out-of-memory retry had come down to if it did."""
+    in the segment it resumes in (beginning at size `start`) at the micro-batch an out-of-memory
+    retry had come down to if it did."""
     point = run.start.point
     saved = point.state.fit if point is not None and point.state.world_size == run.launch.world else None
     try:
         result = from_dict(saved)
     except (TypeError, KeyError):
         return None
-    own = result.of_phase(run.plan.phase)
+    own = result.of(run.plan.phase, start)
     if own is not None and run.plan.micro.source == "resumed":  # an out-of-memory retry had come down further
         own.chosen = replace(own.chosen, micro_batch=min(own.chosen.micro_batch, run.plan.micro.size))
     return result
 
 
-def _resume_later(run, saved: FitResult) -> FitResult:
-    """A resume in a phase after the first: the layout the run started with, and the phase's own
-    micro-batch (chosen now when the checkpoint was written before the phase began)."""
-    own = saved.of_phase(run.plan.phase)
-    apply(run, replace(saved.chosen, micro_batch=own.chosen.micro_batch if own else run.plan.micro.size))
+def _resume_later(run, saved: FitResult, phase, start: int) -> FitResult:
+    """A resume in a fit segment after the first: the layout the run started with, and the
+    segment's own micro-batch (chosen now when the checkpoint was written before it began, where
+    it is measured; else the planner's)."""
+    own = saved.of(phase.name, start)
+    for earlier in (saved, *saved.later):  # the plans record what every segment trained at
+        if earlier is not own and earlier.image_size is not None:
+            hold(run, next(p for p in run.phases if p.name == earlier.phase), earlier.image_size,
+                 earlier.chosen.micro_batch, _chosen_peak(earlier))
+    with _segment(run, phase, start) as plan:
+        _take(run, phase, start, replace(own or FitResult("fastest"), chosen=replace(
+            saved.chosen, micro_batch=own.chosen.micro_batch if own else plan.micro.size)))
     run.state.fit = saved.as_dict()
     if own is None:
-        from .phases import phase_at
-
-        refit(run, phase_at(run.phases, run.state.epoch), saved, run.sizes.size_at(run.state.global_step))
+        refit(run, phase, saved, run.sizes.size_at(run.state.global_step))
     return saved
 
 
 def refit(run, phase, result: FitResult | None, size: int, stop=None) -> FitResult | None:
-    """A later phase begins (staged fine-tuning: the backbone starts to train) at image size `size`:
-    its micro-batch there chosen by measurement on its own first batches, the other settings kept
-    (see the module docstring), recorded in `result.later` and returned. Does nothing (None) under
-    `largest`, for a phase that already has its choice, or where its micro-batch is not vramfit's.
-    With progressive resizing the other sizes keep the planner's micro-batch. `stop`: as `search`'s
-    (a choice cut short by a signal is recorded for the resume, not cached)."""
-    if result is None or result.mode != "fastest" or result.of_phase(phase.name) is not None:
+    """A fit segment begins (staged fine-tuning: the backbone starts to train; progressive resizing:
+    the planner's micro-batch changes) at image size `size`: its micro-batch chosen by measurement
+    on its own first batches, the other settings kept (see the module docstring), recorded in
+    `result.later` and returned. Does nothing (None) under `largest`, for a segment that already
+    has its choice, or where its micro-batch is not vramfit's. `stop`: as `search`'s (a choice
+    cut short by a signal is recorded for the resume, not cached)."""
+    start = segment_start(run, phase.name, size)
+    if result is None or result.mode != "fastest" or result.of(phase.name, start) is not None:
         return None
-    plan = run.phase_plan(phase, size)
-    if not _vramfits_micro(plan):
-        return None
-    started_plan, run.plan = run.plan, plan  # the helpers below read the phase's own plan
-    try:
+    steps = segment_steps(run, phase, start)
+    with _segment(run, phase, start) as plan:
+        if not _vramfits_micro(plan):
+            return None
         base = replace(current(run), micro_batch=plan.micro.size)
-        later = FitResult("fastest", phase=phase.name)
-        _probe_or_cache(run, later, None,
-                        lambda: search(run, base, phase.epochs * run.steps_per_epoch, layouts=False, stop=stop))
-        apply(run, later.chosen)
-    finally:
-        run.plan = started_plan
+        later = FitResult("fastest", phase=phase.name, image_size=start)
+        _probe_or_cache(run, later, None, lambda: search(run, base, steps, layouts=False, stop=stop))
+        _take(run, phase, start, later)
     result.later.append(later)
     run.state.fit = result.as_dict()
     return later
+
+
+def min_segment_steps(cfg) -> float:
+    """The fewest steps a fit segment of a progressively resized run needs to pay for measuring
+    one candidate within its share (a shorter one keeps the segment before's choice)."""
+    return (WARMUP_STEPS + TIMED_STEPS) / cfg.train.fit_probe_fraction
 
 
 def _vramfits_micro(plan) -> bool:
@@ -323,13 +373,15 @@ def larger_with_checkpointing(run, base: Settings) -> int | None:
 
 def _config(run, s: Settings, planned: bool = True):
     """The run's config with `s`'s layout, checkpointing and compilation (and, for the planner, its
-    micro-batch)."""
+    micro-batch and the image size `run.plan` is for)."""
     cfg = run.cfg
     update = {"model": cfg.model.model_copy(update={"channels_last": s.channels_last,
                                                     "grad_checkpointing": s.grad_checkpointing})}
     train = {"compile": s.compile} if cfg.train.compile != s.compile else {}
     if planned:
         train["micro_batch"] = s.micro_batch
+        if run.plan.image_size:  # a fit segment of a progressively resized run: planned at its size
+            update["data"] = cfg.data.model_copy(update={"image_size": run.plan.image_size})
     if train:
         update["train"] = cfg.train.model_copy(update=train)
     return cfg.model_copy(update=update)
@@ -429,9 +481,6 @@ def apply(run, s: Settings) -> None:
     run.step.state.micro_batch = s.micro_batch
     run.loaders.normalize = normalizer(run.data_cfg, run.launch.acc.device, s.channels_last)
     run.cfg = _config(run, s, planned=False)  # config.yaml records what runs; micro_batch stays as written
-    if s.micro_batch != run.plan.micro.size:
-        run.plan.micro = batching.MicroBatch(s.micro_batch, run.plan.micro.per_process_batch, "fit: fastest")
-        run.plan.predicted_peak_bytes = predicted_peak(run, s)
     run.state.micro_batch = s.micro_batch
 
 
@@ -471,7 +520,7 @@ def from_dict(saved: dict) -> FitResult:
     cands = [Candidate(Settings(**c["settings"]), c["predicted_peak_bytes"], c["images_per_second"], c["outcome"])
              for c in saved["candidates"]]
     return FitResult("fastest", cands, Settings(**saved["chosen"]), cached=True, phase=saved.get("phase", "all"),
-                     later=[from_dict(r) for r in saved.get("later_phases", [])])
+                     image_size=saved.get("image_size"), later=[from_dict(r) for r in saved.get("later_phases", [])])
 
 
 def store(key: str, result: FitResult) -> None:
@@ -494,8 +543,9 @@ def _agreed_hit(run, hit: FitResult | None) -> FitResult | None:
 
 
 # ---------------------------------------------------------------------------------- said at start
-def table(result: FitResult, named: bool = False) -> str:
-    """The candidates the choice was made from, one line each (`named`: say which phase's)."""
+def table(result: FitResult, named: bool = False, sized: bool = False) -> str:
+    """The candidates the choice was made from, one line each (`named`: say which phase's;
+    `sized`: from which image size, for a progressively resized run)."""
     rows = []
     for c in result.candidates:
         peak = f"{c.predicted_peak_bytes / 2**30:.2f} GiB" if c.predicted_peak_bytes else "n/a"
@@ -503,5 +553,6 @@ def table(result: FitResult, named: bool = False) -> str:
         mark = "  <- chosen" if c.settings == result.chosen else ""
         rows.append(f"    {c.settings.label():<36} predicted {peak:>9}  {ips}{mark}")
     how = "cached from an earlier run" if result.cached else f"probed in {result.probe_seconds:.1f} s"
-    what = f" for the `{result.phase}` phase" if named else ""
+    what = (f" for the `{result.phase}` phase" if named else "") + \
+        (f" from {result.image_size} px" if sized and result.image_size else "")
     return f"fit: fastest{what} ({how}):\n" + "\n".join(rows)

@@ -20,6 +20,7 @@ from .collectives import agree_max, agreed, average_batchnorm, full_state_dict, 
 from .engine import MicroBatchExhausted, NonFiniteLoss, StepInterrupted, oom_message
 from .errors import VramfitError
 from .fit import refit, table as fit_table
+from .sizeplan import segment_start
 from .optim import head_lr
 from .progress import Progress
 from .validation import evaluate, recalibrate_batchnorm
@@ -76,6 +77,7 @@ class Trainer:
     epoch_started: float = 0.0
     phase: Phase = None  # what trains now
     size: int | None = None  # the image size the last step trained at (None: no step yet)
+    segment: tuple | None = None  # (phase name, first size) of the fit segment it is in (sizeplan)
 
     def __post_init__(self):
         from .phases import phase_at
@@ -111,15 +113,17 @@ class Trainer:
                 return signum
         return 0
 
-    def settle(self, epoch: int) -> None:
+    def settle(self, epoch: int) -> float:
         """Before each step: staged fine-tuning (at a phase's first step, train what it trains) and
         progressive resizing (the step's image size), each at its own plan's micro-batch. Within a
-        phase a growing size never raises the micro-batch an out-of-memory retry lowered."""
+        fit segment a growing size never raises the micro-batch an out-of-memory retry lowered.
+        Returns the seconds a fit's measurement took (not the step's time: it is kept out of the
+        images/s and the ETA)."""
         from .phases import enter, phase_at
 
         phase, size = phase_at(self.run.phases, epoch), self.run.sizes.size_at(self.state.global_step)
         if (phase, size) == (self.phase, self.size):
-            return
+            return 0.0
         if self.L.device_type == "cuda" and self.size is not None:  # the segment that ends: its measured peak
             self.run.phase_peaks[(self.phase.name, self.size)] = torch.cuda.max_memory_reserved(self.L.acc.device)
             torch.cuda.reset_peak_memory_stats(self.L.acc.device)
@@ -127,11 +131,15 @@ class Trainer:
         if new_phase:
             enter(self.L.acc.unwrap_model(self.model), phase, self.phase)
             self.model.train()
-            # train.fit: fastest measures this phase's micro-batch (no further candidate after a signal)
+        segment = (phase.name, segment_start(self.run, phase.name, size))
+        if segment != self.segment:
+            # train.fit: fastest measures this segment's micro-batch (no further candidate after a signal)
             fitted = refit(self.run, phase, self.run.fit, size, stop=lambda: self.flag.signum)
+            self.segment = segment
         plan = self.run.phase_plan(phase, size)
         first = self.size is None
-        micro = plan.micro.size if first or new_phase else min(plan.micro.size, self.step.state.micro_batch)
+        fresh = first or new_phase or fitted is not None  # else a growing size keeps a lowered micro-batch
+        micro = plan.micro.size if fresh else min(plan.micro.size, self.step.state.micro_batch)
         said = not first and (new_phase or micro != self.step.state.micro_batch or self.run.sizes.on)
         self.step.retarget(micro, plan.min_micro_batch)
         self.progress.planned = plan.predicted_peak_bytes
@@ -139,7 +147,8 @@ class Trainer:
         if said and self.L.main:
             self.say_segment(epoch, plan, micro, new_phase)
         if fitted is not None and self.L.main:
-            log.info("%s", fit_table(fitted, named=True))
+            log.info("%s", fit_table(fitted, named=len(self.run.phases) > 1, sized=self.run.sizes.on))
+        return fitted.probe_seconds if fitted is not None else 0.0
 
     def say_segment(self, epoch: int, plan, micro: int, new_phase: bool) -> None:
         from .setup import phase_line
@@ -172,7 +181,7 @@ class Trainer:
     def train_one(self, batch, epoch: int, t_wait: float) -> int:
         st, cfg = self.state, self.cfg
         checked = self.size
-        self.settle(epoch)
+        probing = self.settle(epoch)
         if st.global_step == 0 or st.step_in_epoch == 0 or self.size != checked:
             from .data import check_batch_shape
 
@@ -204,7 +213,7 @@ class Trainer:
         st.samples_seen += res.samples
         self.run.scheduler.step_update(num_updates=st.global_step)
         self.clock.train_samples += res.samples
-        seconds = time.time() - t_wait  # data wait and step
+        seconds = time.time() - t_wait - probing  # data wait and step
         self.clock.train_seconds += seconds  # before the report reads it
         self.report(res, epoch, lr)
         self.progress.step(st.global_step, epoch, st.step_in_epoch, res.loss, res.samples, seconds,

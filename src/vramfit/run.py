@@ -43,8 +43,9 @@ def _train(cfg: Config) -> tuple[int, dict]:
 
         # ---------------------------------------------------------------- data, model, optimizer, step
         run = setup.build(cfg, L, paths, start)
-        run.fit = fit.choose(run)  # train.fit: fastest measures its candidates on the first batches
         run.size_plans = sizeplan.plan_sizes(run)  # progressive resizing: a micro-batch per size
+        run.fit_segments = sizeplan.fit_segments(run, fit.min_segment_steps(cfg))
+        run.fit = fit.choose(run)  # train.fit: fastest measures its candidates on the first batches
         run.notes += [n for n in (sizeplan.size_note(run),) if n]
         setup.write_run_folder(run)
         runlog = RunLog(L.acc, paths.dir, use_trackers=bool(tracker_names(cfg.tracking.tracker)),

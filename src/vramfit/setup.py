@@ -110,8 +110,10 @@ class Training:
     fit: FitResult | None  # train.fit: how the execution settings were chosen (fit.choose)
     sizes: Schedule  # the image size of every step (progressive resizing; else the full size)
     # Progressive resizing: the plan of each phase at each size below the full one, by (phase
-    # name, size) (sizeplan.plan_sizes, once the fit settled the execution).
+    # name, size) (sizeplan.plan_sizes; a fit's choice is held in them).
     size_plans: dict
+    # The first size of the fit segment of each (phase name, size) (sizeplan.fit_segments).
+    fit_segments: dict
 
     @property
     def micro(self) -> batching.MicroBatch:
@@ -195,7 +197,7 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
     notes = training_notes(cfg, L, len(class_names), optimizer, plans)
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
                     state, step, seconds, phases, plans, notes, phase_peaks={}, fit=None,
-                    sizes=schedule_of(cfg, steps_per_epoch), size_plans={})
+                    sizes=schedule_of(cfg, steps_per_epoch), size_plans={}, fit_segments={})
 
 
 def plan_phases(cfg: Config, L: Launch, num_classes: int, model, phases: list[Phase], point) -> list[Plan]:

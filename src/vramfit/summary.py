@@ -69,20 +69,26 @@ def phases(run, now: int | None = None) -> list[dict]:
 
 def say_start(run) -> None:
     """The start lines of a `setup.Run`: what it trains on, the notes, the batch split, the resume point."""
-    L, splits, micro, loaders, point = run.launch, run.splits, run.micro, run.loaders, run.start.point
+    from .batching import grad_accum_steps
+
+    L, splits, loaders, point = run.launch, run.splits, run.loaders, run.start.point
     if not L.main:
         return
+    micro = run.step.state.micro_batch  # the first step's (a fit's choice, or at a resized run's first size)
     notes = [*splits.notes, *L.notes, *run.start.notes, *run.notes, *run.plan.notes]
     log.info("vramfit: %s | %s | %d classes, %d train / %d val images%s", run.paths.name, splits.description,
              len(splits.class_names), len(splits.train), len(splits.val), "".join(f"\n  note: {n}" for n in notes))
     log.info("batch: global %d = micro %d x accum %d x %d process(es) | precision %s | device %s | "
-             "%d steps/epoch, %d loader workers (%s)", run.cfg.train.global_batch, micro.size,
-             micro.grad_accum_steps, L.world, L.precision.name, L.acc.device, run.steps_per_epoch,
+             "%d steps/epoch, %d loader workers (%s)", run.cfg.train.global_batch, micro,
+             grad_accum_steps(run.micro.per_process_batch, micro), L.world, L.precision.name, L.acc.device, run.steps_per_epoch,
              loaders.workers, loaders.workers_why)
     if run.fit is not None and run.fit.mode == "fastest":
         from .fit import table
+        from .sizeplan import segment_start
 
-        log.info("%s", table(run.fit.of_phase(run.plan.phase) or run.fit, named=len(run.phases) > 1))
+        start = segment_start(run, run.plan.phase, run.sizes.size_at(run.state.global_step))
+        log.info("%s", table(run.fit.of(run.plan.phase, start) or run.fit, named=len(run.phases) > 1,
+                             sized=run.sizes.on))
     if point:
         log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", point.path,
                  point.state.epoch, point.state.step_in_epoch, point.state.global_step)

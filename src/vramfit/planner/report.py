@@ -47,13 +47,12 @@ def _size_rows(cfg: Config, num_classes: int, mb: MicroBatch, budget: int | None
     follows (sizeplan): the planner's pick at each size where the micro-batch is its to pick on a
     card, never below the full size's; otherwise the full size's micro-batch, whose peak bounds it."""
     from ..resize import possible_sizes
-    from .sizes import bisect_sizes, planner_pick
+    from .sizes import planner_pick, planner_picks, size_picks
 
     sizes = possible_sizes(cfg)
-    if budget is None or not mb.source.startswith("auto"):
-        picks = {s: (mb.size, full_peak, cfg.data.image_size) for s in sizes}
-    else:
-        picks = bisect_sizes(sizes, planner_pick(cfg, num_classes, mb, budget, precision, num_processes))
+    pick = (planner_pick(cfg, num_classes, mb, budget, precision, num_processes)
+            if budget is not None and planner_picks(mb) else None)
+    picks = size_picks(sizes, mb, full_peak, cfg.data.image_size, pick)
     return [{"image_size": s, "micro_batch": m, "predicted_peak_bytes": peak, "predicted_at_size": at}
             for s, (m, peak, at) in sorted(picks.items())]
 

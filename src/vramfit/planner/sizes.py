@@ -45,6 +45,22 @@ def bisect_sizes(sizes: list[int], pick: Callable[[int], Pick]) -> dict[int, tup
     return out
 
 
+def planner_picks(micro: batching.MicroBatch) -> bool:
+    """Whether the planner picks the micro-batch at each size (`auto`); otherwise the micro-batch
+    was written, is the whole share or was resumed, and stays the same at every size."""
+    return micro.source.startswith("auto")
+
+
+def size_picks(sizes: list[int], micro: batching.MicroBatch, full_peak: int | None, full: int,
+               pick: Callable[[int], Pick] | None) -> dict[int, tuple[int, int | None, int]]:
+    """(micro-batch, predicted peak, size it was predicted at) at each of `sizes` (ascending):
+    `pick`'s, bisected; `pick` None (not the planner's to pick): `micro` at every size, its
+    full-size peak bounding each."""
+    if pick is None:
+        return {s: (micro.size, full_peak, full) for s in sizes}
+    return bisect_sizes(sizes, pick)
+
+
 def planner_pick(cfg, num_classes: int, micro: batching.MicroBatch, budget_bytes: int, precision: str,
                  num_processes: int) -> Callable[[int], Pick]:
     """The planner's pick at a size, for a run whose full-size micro-batch is `micro`."""
