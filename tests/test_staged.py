@@ -340,3 +340,14 @@ def test_precise_bn_changes_the_statistics_not_the_training_and_resumes_exactly(
 
     with pytest.raises(VramfitError, match="precise_bn: 64 -> 0"):  # part of the maths
         train_cli(*common, run_name="cut")
+
+
+def test_precise_bn_set_to_true_is_refused_with_a_count_to_give():
+    """`model.precise_bn=true` would read as 1 image, whose statistics wreck every BatchNorm."""
+    from vramfit.config import build_config
+    from vramfit.errors import VramfitError
+
+    for value in ("true", "false"):
+        with pytest.raises(VramfitError, match="takes a number of train images"):
+            build_config("quickstart", [f"model.precise_bn={value}"])
+    assert build_config("quickstart", ["model.precise_bn=2048"]).model.precise_bn == 2048

@@ -59,6 +59,15 @@ class ModelConfig(Section):
     # subset, the validation transform; 0: off), so evaluation and the exported model normalise by
     # statistics of the final weights rather than a momentum average of small micro-batches.
     precise_bn: int = Field(0, ge=0)
+
+    @field_validator("precise_bn", mode="before")
+    @classmethod
+    def _precise_bn_count(cls, v):
+        if isinstance(v, bool) or isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
+            # `true` would read as 1: statistics of a single image, which wreck every BatchNorm
+            raise ValueError(f"model.precise_bn takes a number of train images (0: off), not {v!r}: "
+                             "for example model.precise_bn=2048")
+        return v
     # Exponential moving average of the weights (timm ModelEmaV3, with decay warmup); evaluated and
     # exported instead of the raw weights when set. Typical: 0.999 for fine-tuning.
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
