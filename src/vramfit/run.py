@@ -57,13 +57,15 @@ def _train(cfg: Config) -> tuple[int, dict]:
         trainer = Trainer(run, runlog, flag)
         try:
             signum = trainer.fit()
+
+            # ------------------------------------------------------------ finish
+            # Still under the flag: a second stop signal while the summary is written (a terminal's
+            # second Ctrl-C, a parent-death signal again) is only recorded, not the end of the process.
+            result = summary.build(run, trainer.clock)
+            summary.finish(result, run, signum)
+            runlog.summary(result)
+            if runlog.use_trackers:
+                L.acc.end_training()
         finally:
             flag.restore()
-
-        # ---------------------------------------------------------------- finish
-        result = summary.build(run, trainer.clock)
-        summary.finish(result, run, signum)
-        runlog.summary(result)
-        if runlog.use_trackers:
-            L.acc.end_training()
     return signum, result
