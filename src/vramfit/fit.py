@@ -22,8 +22,9 @@ a resume inside a later phase takes its own.
 Progressive resizing changes what a step costs with every size, and where the planner's
 micro-batch changes so do the candidates: the sizes of a phase that share the planner's
 micro-batch are one fit segment (sizeplan.fit_segments), and each has its micro-batch chosen as
-it begins, in the same way, where its steps pay for measuring one candidate within its share
-(a short segment keeps the planner's micro-batch). The choice holds at every size of the segment.
+it begins, in the same way; a segment whose steps cannot pay for measuring one candidate within
+its share joins the one before. The choice holds at every size of the segment, never above the
+planner's micro-batch at a size.
 
 `run` is a `setup.Run` throughout (not imported: setup records the FitResult).
 
@@ -49,6 +50,7 @@ import torch
 from . import batching
 from .caches import read_entry, write_entry
 from .collectives import agree_max, agree_min
+from .phases import phase_named
 from .sizeplan import first_plan, hold, segment_start, segment_steps
 
 log = logging.getLogger("vramfit")
@@ -126,7 +128,7 @@ def choose(run) -> FitResult:
     cfg = run.cfg
     if cfg.train.fit != "fastest" or run.step.fsdp:
         return FitResult("largest", chosen=current(run))
-    phase = next(p for p in run.phases if p.name == run.plan.phase)
+    phase = phase_named(run.phases, run.plan.phase)
     start = segment_start(run, phase.name, run.sizes.size_at(run.state.global_step))
     saved = resumed(run, start)
     if saved is not None and not saved.is_for(phase.name, start):  # resumed in a later segment
@@ -202,7 +204,7 @@ def _resume_later(run, saved: FitResult, phase, start: int) -> FitResult:
     own = saved.of(phase.name, start)
     for earlier in (saved, *saved.later):  # the plans record what every segment trained at
         if earlier is not own and earlier.image_size is not None:
-            hold(run, next(p for p in run.phases if p.name == earlier.phase), earlier.image_size,
+            hold(run, phase_named(run.phases, earlier.phase), earlier.image_size,
                  earlier.chosen.micro_batch, _chosen_peak(earlier))
     with _segment(run, phase, start) as plan:
         _take(run, phase, start, replace(own or FitResult("fastest"), chosen=replace(

@@ -51,6 +51,11 @@ def phases_of(cfg: Config, model: nn.Module) -> list[Phase]:
     return [Phase("head", 0, n, tuple(body_prefixes(model, heads))), Phase("all", n, epochs, kept)]
 
 
+def phase_named(phases: list[Phase], name: str) -> Phase:
+    """The phase called `name` (a plan's or a fit's `phase`)."""
+    return next(p for p in phases if p.name == name)
+
+
 def phase_at(phases: list[Phase], epoch: int) -> Phase:
     """The phase `epoch` (0-based) trains in; past the last epoch, the last phase."""
     return next((p for p in phases if p.holds(epoch)), phases[-1])

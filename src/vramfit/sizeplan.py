@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Callable
 
 from . import batching
+from .phases import phase_named
 from .planner.sizes import Pick, planner_pick, planner_picks, size_picks
 from .resize import segments
 
@@ -125,7 +126,7 @@ def size_note(run) -> str | None:
     full, plan = run.cfg.data.image_size, run.plan
     by_micro: dict[int, list[int]] = {}
     for size in run.sizes.sizes:
-        by_micro.setdefault(run.phase_plan(_phase_of(run, plan), None if size == full else size).micro.size,
+        by_micro.setdefault(run.phase_plan(phase_named(run.phases, plan.phase), None if size == full else size).micro.size,
                             []).append(size)
     if len(by_micro) == 1:
         micro = f"micro-batch {next(iter(by_micro))} at every size"
@@ -137,8 +138,6 @@ def size_note(run) -> str | None:
     return f"{run.sizes.line()}; {micro}"
 
 
-def _phase_of(run, plan):
-    return next(p for p in run.phases if p.name == plan.phase)
 
 
 def _sizes_text(sizes: list[int]) -> str:
