@@ -1,4 +1,5 @@
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -8,10 +9,23 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("OMP_NUM_THREADS", "2")
-# vramfit's own cache (the built-in data, the micro-batch and fit caches) is the session's: a
-# measured choice cached by another session (another version of the code) must not decide a test.
-os.environ.setdefault("VRAMFIT_CACHE", tempfile.mkdtemp(prefix="vramfit-test-cache-"))
+
+
+def pytest_configure(config):
+    """The suite runs on pytest-xdist workers (pyproject's addopts: `-n auto`, a test file per
+    worker): each worker's torch gets its share of the cores, so two workers training at once do
+    not fight over them. The controller sets nothing, or its workers would inherit it as if the
+    user had set it."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", default=None):
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, cores // workers))))
+    # vramfit's own cache (the built-in data, the micro-batch and fit caches) is the worker's: a
+    # measured choice cached by another session (another version of the code) or by a test on the
+    # other worker (whose order is not fixed) must not decide a test.
+    os.environ.setdefault("VRAMFIT_CACHE", tempfile.mkdtemp(prefix=f"vramfit-test-cache-{worker}-"))
 
 
 @pytest.fixture
@@ -38,3 +52,15 @@ def _fresh_accelerate_state():
     from vramfit.launch import forget
 
     forget()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_as_set():
+    """Each test starts with the torch threads the worker was given: an in-process run that takes
+    its environment for a launcher's (a test that sets ACCELERATE_* or LOCAL_RANK) gives itself the
+    cores back, and a reference run after it would otherwise compute with another thread count
+    than the subprocess it is compared with bit for bit."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
