@@ -107,6 +107,55 @@ def test_auto_plans_for_the_memory_other_processes_leave(tmp_path, monkeypatch, 
     assert "other processes hold about 10.0 GiB" in caplog.text
 
 
+def test_every_pick_on_a_card_is_made_against_one_budget(monkeypatch):
+    """The card's total, the recipe's card, the allocator's cap and what other processes leave each
+    bind the budget when smallest; the fit's candidates and each progressive size's pick are made
+    against the very budget the start's micro-batch was (a recipe for a 12 GB card on a larger one,
+    an allocator capped to a smaller card: the fit must not probe a micro-batch the start ruled out)."""
+    from types import SimpleNamespace
+
+    from vramfit import fit, sizeplan
+    from vramfit.batching import MicroBatch
+    from vramfit.config import Config
+    from vramfit.memory import card_budget_bytes
+    from vramfit.planner import CUDA_CONTEXT_BYTES, reported_total_bytes
+
+    gib, total = 2**30, 80 * 2**30
+    card = {"fraction": 1.0, "others": 0}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: card["fraction"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (total - CUDA_CONTEXT_BYTES - card["others"], total))
+    device = torch.device("cuda", 0)
+
+    def budget(memory_gib=None, margin=0.1):
+        cfg = Config.model_validate({"model": {"name": "resnet18"},
+                                     "hardware": {"memory_gib": memory_gib, "safety_margin": margin}})
+        return cfg, card_budget_bytes(cfg, device)
+
+    assert budget()[1] == int(total * 0.9)                                      # the card itself
+    assert budget(12)[1] == int(reported_total_bytes(12) * 0.9)                 # the recipe's card
+    card["fraction"] = 0.1
+    assert budget(12)[1] == int(total * 0.1 * 0.9) < int(reported_total_bytes(12) * 0.9)  # the allocator's cap
+    card["others"] = 75 * gib
+    assert budget(12)[1] == int(5 * gib * 0.9)                                  # what others leave
+    card.update(fraction=1.0, others=0)
+
+    cfg, expected = budget(12)
+    run = SimpleNamespace(cfg=cfg, class_names=list("0123456789"),
+                          launch=SimpleNamespace(device_type="cuda", acc=SimpleNamespace(device=device),
+                                                 precision=SimpleNamespace(accelerate="bf16"), world=1))
+    assert fit.card_budget(run) == expected
+    cand = SimpleNamespace(predicted_peak_bytes=expected + 1)
+    assert not fit.fits(run, cand) and fit.fits(run, SimpleNamespace(predicted_peak_bytes=expected))
+    seen = {}
+    monkeypatch.setattr(sizeplan, "planner_pick", lambda *a: seen.setdefault("budget", a[3]))
+    phase = SimpleNamespace(config=lambda c: c)
+    plan = SimpleNamespace(micro=MicroBatch(size=32, per_process_batch=64, source="auto: planner"))
+    sizeplan.size_pick(run, phase, plan)
+    assert seen["budget"] == expected
+
+
 def test_resume_continues_at_the_micro_batch_the_run_came_down_to(train_cli):
     """Interrupted after out-of-memory errors took it from 32 to 8: the resumed run starts at 8 (no
     new errors), as the uninterrupted run would have gone on."""

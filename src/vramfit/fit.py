@@ -416,10 +416,10 @@ def predicted_peak(run, s: Settings) -> int | None:
 
 
 def card_budget(run) -> int:
-    """What a step may use on the run's card (its total less the safety margin)."""
-    from .planner import budget_bytes_for
+    """What a step may use on the run's card (memory.card_budget_bytes)."""
+    from .memory import card_budget_bytes
 
-    return budget_bytes_for(run.cfg, total_bytes=torch.cuda.get_device_properties(run.launch.acc.device).total_memory)
+    return card_budget_bytes(run.cfg, run.launch.acc.device)
 
 
 def fits(run, cand: Candidate) -> bool:

@@ -127,30 +127,52 @@ def cuda_probe(model, optimizer_state_bytes: int, image_size: int, num_classes: 
     return probe
 
 
-def usable_bytes(device) -> int:
+def usable_bytes(device, *, warn: bool = True) -> int:
     """What this process can have: the card's free memory plus what it already holds (its cache and,
     as the planner counts it, its CUDA context). Memory held by other processes (a desktop, another
-    run, a notebook kernel) is not usable, and is named in a warning."""
+    run, a notebook kernel) is not usable, and is named in a warning (`warn`)."""
     from .planner import CUDA_CONTEXT_BYTES
 
     free, total = torch.cuda.mem_get_info(device)
     usable = min(total, free + torch.cuda.memory_reserved(device) + CUDA_CONTEXT_BYTES)
     others = total - usable
-    if others > 0.05 * total:
+    if warn and others > 0.05 * total:
         log.warning("other processes hold about %.1f GiB of this GPU (see nvidia-smi): planning for the "
                     "%.1f GiB left", others / 2**30, usable / 2**30)
     return usable
 
 
+def allocator_cap_bytes(device, total: int) -> int:
+    """The caching allocator's cap on this process (`torch.cuda.set_per_process_memory_fraction`,
+    1.0 unless someone set it), in bytes of the card's `total`."""
+    try:
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+    except (AttributeError, AssertionError, RuntimeError):  # an older torch, or no CUDA to ask
+        fraction = 1.0
+    return int(total * min(1.0, max(0.0, fraction)))
+
+
+def card_budget_bytes(cfg: Config, device, *, warn: bool = False) -> int:
+    """What one training step may use on `device`, the one budget every pick on a GPU is made
+    against (the start's micro-batch, each progressive size's, the fit's candidates, the notes):
+    the least of the card's total, the recipe's card (`hardware.memory_gib`: a 12 GB recipe plans
+    for 12 GB on a larger card too), the allocator's cap, and what other processes leave, less
+    `hardware.safety_margin`. `warn`: say when other processes hold part of the card."""
+    from .planner import reported_total_bytes
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    limits = [total, allocator_cap_bytes(device, total), usable_bytes(device, warn=warn)]
+    if cfg.hardware.memory_gib:
+        limits.append(reported_total_bytes(cfg.hardware.memory_gib))
+    return int(min(limits) * (1 - cfg.hardware.safety_margin))
+
+
 def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, device=None) -> dict:
     """Plan (and on a GPU with `model` given, probe) the micro-batch for `micro_batch: auto`."""
-    from .planner import pick_micro_batch, reported_total_bytes
+    from .planner import pick_micro_batch
 
     device = device or torch.device("cuda")
-    total = torch.cuda.get_device_properties(device).total_memory
-    gib = cfg.hardware.memory_gib
-    card = reported_total_bytes(gib) if gib else total
-    budget = int(min(total, card, usable_bytes(device)) * (1 - cfg.hardware.safety_margin))
+    budget = card_budget_bytes(cfg, device, warn=True)
     name = torch.cuda.get_device_name(device)
     key = cache_key(cfg, name, per_proc, num_classes)
     hit = cached(key)

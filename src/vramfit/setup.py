@@ -231,12 +231,13 @@ def training_notes(cfg: Config, L: Launch, num_classes: int, optimizer, plans: l
         notes.append("staged fine-tuning: " + "; then ".join(phase_line(cfg, p) for p in plans))
     last = plans[-1]
     if cfg.model.bn != "freeze" and last.min_micro_batch > 1:  # BatchNorm normalises by the batch
+        from .memory import card_budget_bytes
         from .planner import budget_bytes_for
 
-        total = torch.cuda.get_device_properties(L.acc.device).total_memory if L.device_type == "cuda" else None
+        budget = card_budget_bytes(cfg, L.acc.device) if L.device_type == "cuda" else budget_bytes_for(cfg)
         note = small_batch_norm_note(cfg, num_classes, last.micro.size, last.micro.per_process_batch, L.world,
                                      sync=cfg.model.bn == "sync" and L.world > 1 and L.device_type == "cuda",
-                                     precision=L.precision.accelerate, budget_bytes=budget_bytes_for(cfg, total_bytes=total))
+                                     precision=L.precision.accelerate, budget_bytes=budget)
         if note:
             notes.append(note)
     return notes
@@ -459,12 +460,13 @@ def choose_micro_batch(cfg: Config, L: Launch, num_classes: int, model, point, s
 def fit_notes(cfg: Config, L: Launch, num_classes: int, mb: batching.MicroBatch, peak: int | None) -> list[str]:
     """Said at start: the auto pick and its predicted peak, and a fixed micro-batch the planner
     predicts will not fit the card (with the one that does)."""
-    from .planner import budget_bytes_for, pick_micro_batch
+    from .memory import card_budget_bytes
+    from .planner import pick_micro_batch
 
     notes = [mb.note] if mb.note else []
     if L.device_type != "cuda" or peak is None:  # without a card there is nothing to fit
         return notes
-    budget = budget_bytes_for(cfg, total_bytes=torch.cuda.get_device_properties(L.acc.device).total_memory)
+    budget = card_budget_bytes(cfg, L.acc.device)
     if mb.source == "auto":
         notes.append(f"micro-batch {mb.size} picked for this card: predicted peak {peak / 2**30:.2f} GiB of "
                      f"{budget / 2**30:.2f} GiB")

@@ -48,13 +48,10 @@ def size_pick(run, phase, plan) -> Callable[[int], Pick] | None:
     """The planner's pick on this run's card, where the micro-batch is its to pick (else None)."""
     if run.launch.device_type != "cuda" or not planner_picks(plan.micro):
         return None
-    import torch
+    from .memory import card_budget_bytes
 
-    from .planner import budget_bytes_for
-
-    total = torch.cuda.get_device_properties(run.launch.acc.device).total_memory
     return planner_pick(phase.config(run.cfg), len(run.class_names), plan.micro,
-                        budget_bytes_for(run.cfg, total_bytes=total), run.launch.precision.accelerate,
+                        card_budget_bytes(run.cfg, run.launch.acc.device), run.launch.precision.accelerate,
                         run.launch.world)
 
 
