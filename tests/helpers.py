@@ -52,6 +52,28 @@ class HostReads:
         return watched
 
 
+class StandInCard:
+    """A CUDA card for code that asks torch.cuda about memory, on a machine without one (a CUDA
+    build without a driver raises on every such call): `total` bytes, `others` held by other
+    processes, the allocator capped at `fraction`. Change the attributes to change the card."""
+
+    def __init__(self, monkeypatch, total: int, *, others: int = 0, fraction: float = 1.0, name: str = "Stand-in"):
+        import torch
+        from types import SimpleNamespace
+
+        from vramfit.planner import CUDA_CONTEXT_BYTES
+
+        self.total, self.others, self.fraction, self.name = total, others, fraction, name
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=self.total))
+        monkeypatch.setattr(cuda, "get_device_name", lambda d=None: self.name)
+        monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d=None: self.fraction)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda d=None: 0)
+        # what this process sees free: the card less its own CUDA context and what others hold
+        monkeypatch.setattr(cuda, "mem_get_info",
+                            lambda d=None: (self.total - CUDA_CONTEXT_BYTES - self.others, self.total))
+
+
 TINY_STEPS_PER_EPOCH = 30  # 480 training images / global batch 16
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import tiny_args
+from helpers import StandInCard, tiny_args
 
 
 def _records(run_dir, kind):
@@ -206,7 +206,7 @@ def test_a_fixed_micro_batch_that_will_not_fit_is_said_at_start_with_one_that_do
     from vramfit.config import Config
     from vramfit.precision import resolve
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=12 * 2**30))
+    StandInCard(monkeypatch, 12 * 2**30)
     cfg = Config.model_validate({"model": {"name": "resnet50"}, "data": {"image_size": 224},
                                  "train": {"global_batch": 256, "micro_batch": 256, "precision": "bf16"}})
     L = SimpleNamespace(device_type="cuda", acc=SimpleNamespace(device="cuda:0"), world=1,

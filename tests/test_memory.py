@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import tiny_args
+from helpers import StandInCard, tiny_args
 from vramfit import checkpoint
 from vramfit.errors import VramfitError
 from vramfit.memory import cached, search, store
@@ -86,21 +86,14 @@ def test_auto_plans_for_the_memory_other_processes_leave(tmp_path, monkeypatch, 
     """A 12 GiB card where another process holds 10 GiB: `auto` plans for what is left and says why."""
     from vramfit.config import Config
     from vramfit.memory import auto_micro_batch
-    from vramfit.planner import CUDA_CONTEXT_BYTES
 
     monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path))
-    total = 12 * 2**30
-    held_by_others = [0]
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": total})())
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"Fake 12GB ({held_by_others[0]})")
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
-    monkeypatch.setattr(torch.cuda, "mem_get_info",
-                        lambda d: (total - CUDA_CONTEXT_BYTES - held_by_others[0], total))  # our context + others
+    card = StandInCard(monkeypatch, 12 * 2**30, name="Fake 12GB")
     cfg = Config.model_validate({"model": {"name": "resnet18"}, "train": {"precision": "bf16"},
                                  "data": {"image_size": 224}, "hardware": {"memory_gib": 12}})
     alone = auto_micro_batch(cfg, 10, 128, device=torch.device("cuda", 0))
     assert "other processes" not in caplog.text
-    held_by_others[0] = 10 * 2**30
+    card.others, card.name = 10 * 2**30, "Fake 12GB, shared"  # another cache key: a fresh pick
     shared = auto_micro_batch(cfg, 10, 128, device=torch.device("cuda", 0))
     assert shared["budget_bytes"] < 2.5 * 2**30 < 9 * 2**30 < alone["budget_bytes"]
     assert shared["micro_batch"] < alone["micro_batch"]
@@ -118,14 +111,10 @@ def test_every_pick_on_a_card_is_made_against_one_budget(monkeypatch):
     from vramfit.batching import MicroBatch
     from vramfit.config import Config
     from vramfit.memory import card_budget_bytes
-    from vramfit.planner import CUDA_CONTEXT_BYTES, reported_total_bytes
+    from vramfit.planner import reported_total_bytes
 
     gib, total = 2**30, 80 * 2**30
-    card = {"fraction": 1.0, "others": 0}
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: card["fraction"])
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (total - CUDA_CONTEXT_BYTES - card["others"], total))
+    card = StandInCard(monkeypatch, total)
     device = torch.device("cuda", 0)
 
     def budget(memory_gib=None, margin=0.1):
@@ -135,11 +124,11 @@ def test_every_pick_on_a_card_is_made_against_one_budget(monkeypatch):
 
     assert budget()[1] == int(total * 0.9)                                      # the card itself
     assert budget(12)[1] == int(reported_total_bytes(12) * 0.9)                 # the recipe's card
-    card["fraction"] = 0.1
+    card.fraction = 0.1
     assert budget(12)[1] == int(total * 0.1 * 0.9) < int(reported_total_bytes(12) * 0.9)  # the allocator's cap
-    card["others"] = 75 * gib
+    card.others = 75 * gib
     assert budget(12)[1] == int(5 * gib * 0.9)                                  # what others leave
-    card.update(fraction=1.0, others=0)
+    card.fraction, card.others = 1.0, 0
 
     cfg, expected = budget(12)
     run = SimpleNamespace(cfg=cfg, class_names=list("0123456789"),
