@@ -2,11 +2,12 @@
 steps, beside the chooser's pick and what its probe cost.
 
 1. Each candidate (micro-batch: the whole share and two halvings; channels_last off/on; gradient
-   checkpointing at the whole share) trains the same epochs with its settings given directly
-   (`train.fit: largest`), in three interleaved rounds; its images/s is the median of summary.json's
-   (training time, data waits included).
+   checkpointing at the whole share; with --precisions, each of them in each precision) trains the
+   same epochs with its settings given directly (`train.fit: largest`), in three interleaved
+   rounds; its images/s is the median of summary.json's (training time, data waits included).
 2. The chooser: the same recipe for its full epochs with `train.fit: fastest` and an empty fit
-   cache; its pick and `probe_seconds` from summary.json `fit`, against that run's wall time.
+   cache (with --precisions, `train.precision: auto`, which measures bf16 against fp16 on a card
+   with bf16); its pick and `probe_seconds` from summary.json `fit`, against that run's wall time.
 
 Must hold: the pick's swept images/s within 5% of the best candidate's, and the probe at most 3%
 of the chooser run's wall time. Exit 1 when either does not.
@@ -14,6 +15,8 @@ of the chooser run's wall time. Exit 1 when either does not.
     python bench/fit_sweep.py                       # the quickstart on this CPU (~3 minutes on 2 cores)
     python bench/fit_sweep.py --recipe rtx3060 --model resnet50 --image-size 224 --train-samples 1024
                                                     # a GPU, the allocator capped at the recipe's card
+    python bench/fit_sweep.py --recipe rtx3060 --model resnet50 --image-size 224 --train-samples 1024 \
+        --precisions bf16,fp16                      # the precision too (`auto` on a card with bf16)
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-epochs", type=int, default=1, help="epochs each candidate trains per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the candidates (median)")
     ap.add_argument("--train-samples", type=int, default=None, help="data.limit_train_samples")
+    ap.add_argument("--precisions", default=None,
+                    help="bf16,fp16: sweep each candidate in each, and let the chooser choose (`auto`)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     ap.add_argument("--json", default=None, help="write the figures here too")
     return ap.parse_args(argv)
@@ -57,7 +62,7 @@ def base_args(args, output: Path) -> list[str]:
     return out
 
 
-def candidates(share: int) -> list[tuple[str, list[str]]]:
+def candidates(share: int, precisions: list[str] | None = None) -> list[tuple[str, list[str]]]:
     out = []
     for micro in (share, share // 2, share // 4):
         for cl in (False, True):
@@ -65,7 +70,13 @@ def candidates(share: int) -> list[tuple[str, list[str]]]:
             out.append((label, ["--micro-batch", str(micro), "--set", f"model.channels_last={str(cl).lower()}"]))
     out.append((f"micro {share}, checkpointing", ["--micro-batch", str(share), "--set", "model.channels_last=false",
                                                   "--grad-checkpointing"]))
-    return out
+    if not precisions:  # the recipe's precision
+        return out
+    return [(f"{label}, {p}", [*extra, "--precision", p]) for label, extra in out for p in precisions]
+
+
+def chooser_args(precisions: list[str] | None) -> list[str]:
+    return ["--set", "train.fit=fastest", *(["--precision", "auto"] if precisions else [])]
 
 
 def summary_of(output: Path, name: str) -> dict:
@@ -73,8 +84,11 @@ def summary_of(output: Path, name: str) -> dict:
 
 
 def settings_label(s: dict) -> str:
+    from vramfit.precision import NAMES
+
     return (f"micro {s['micro_batch']}" + (", channels_last" if s["channels_last"] else "")
-            + (", checkpointing" if s["grad_checkpointing"] else ""))
+            + (", checkpointing" if s["grad_checkpointing"] else "")
+            + (f", {NAMES[s['precision']]}" if s.get("precision") else ""))
 
 
 def main(argv=None) -> int:
@@ -87,11 +101,12 @@ def main(argv=None) -> int:
     cfg = build_config(args.recipe)
     share = cfg.train.global_batch  # one process
     common = base_args(args, root)
+    precisions = args.precisions.split(",") if args.precisions else None
     # Rounds interleave the candidates, so that a slow stretch of a shared machine falls on all of
     # them; each candidate's figure is its median over the rounds.
-    runs: dict[str, list[float]] = {label: [] for label, _ in candidates(share)}
+    runs: dict[str, list[float]] = {label: [] for label, _ in candidates(share, precisions)}
     for r in range(args.rounds):
-        for i, (label, extra) in enumerate(candidates(share)):
+        for i, (label, extra) in enumerate(candidates(share, precisions)):
             name = f"cand{i}-r{r}"
             code = vramfit([*common, "--run-name", name, "--epochs", str(args.sweep_epochs),
                             "--set", "train.fit=largest", *extra])
@@ -100,7 +115,7 @@ def main(argv=None) -> int:
             print(f"  round {r + 1}: {label:<36} {runs[label][-1] if code == 0 else 0:8.0f} img/s"
                   + ("" if code == 0 else f" (exit {code})"), file=sys.stderr)
     swept = {label: statistics.median(v) if v else None for label, v in runs.items()}
-    code = vramfit([*common, "--run-name", "chooser", "--set", "train.fit=fastest"])
+    code = vramfit([*common, "--run-name", "chooser", *chooser_args(precisions)])
     if code:
         print(f"the chooser's run failed (exit {code})")
         return 1

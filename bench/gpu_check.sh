@@ -16,7 +16,8 @@
 # recipe_rtx3060_staged.txt/.json (the same with train.freeze_epochs=1 over two epochs: ResNet50 at
 # 224 px head-only, then whole, each phase's measured peak against its own plan);
 # fit_sweep_resnet50.txt / fit_sweep_efficientnet_b0.txt (train.fit: fastest's pick and probe cost
-# beside every candidate trained directly, capped at 12 GiB);
+# beside every candidate trained directly, capped at 12 GiB; ResNet50's in bf16 and fp16 each, the
+# chooser under train.precision: auto);
 # progressive_resnet50.txt / progressive_efficientnet_b0.txt (fixed 224 px against progressive
 # resizing over three seeds, the same cap: accuracy and wall).
 # Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.
@@ -64,8 +65,10 @@ OUT="$OUT" $PY bench/recipe_run.py --recipe rtx3060 --staged --train-samples 512
 # train.fit: fastest against every candidate, ResNet50 and EfficientNet-B0 at 224 px with the
 # allocator capped at the rtx3060 recipe's 12 GB card (one round each, to fit the time).
 for m in resnet50 efficientnet_b0; do
+  precisions=()
+  [ "$m" = resnet50 ] && precisions=(--precisions bf16,fp16)
   $PY bench/fit_sweep.py --recipe rtx3060 --model "$m" --image-size 224 --train-samples 1024 --rounds 1 \
-    --json "$OUT/fit_sweep_$m.json" 2>"$OUT/fit_sweep_$m.log" | tee "$OUT/fit_sweep_$m.txt"
+    "${precisions[@]}" --json "$OUT/fit_sweep_$m.json" 2>"$OUT/fit_sweep_$m.log" | tee "$OUT/fit_sweep_$m.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 # Progressive resizing against the fixed size, the same models and cap (three seeds, short runs).

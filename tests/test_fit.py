@@ -378,3 +378,122 @@ def test_a_fit_segment_too_short_to_measure_joins_the_one_before():
     assert plans[("all", 16)].predicted_peak_bytes == 123 and plans[("all", 24)].micro.source == "fit: fastest"
     assert plans[("all", 24)].predicted_peak_bytes is None  # the planner's bound for its micro 8 (none here)
     assert [plans[("head", s)].micro.size for s in picks] == list(picks.values())  # the other phase's untouched
+
+
+AUTO_PRECISION = ("--precision", "auto", "--set", "debug.gpu_precisions_on_cpu=true")  # bf16 or fp16
+
+
+def _fp16_faster(monkeypatch):
+    """fp16 stands in as the faster precision: each fp16 candidate's real measurement (its forward
+    autocast to fp16) counted ten times."""
+    from vramfit import fit
+
+    measured = fit.measure
+
+    def timed(run, s, batches):
+        ips = measured(run, s, batches)
+        return ips * 10 if ips and s.precision == "fp16" else ips
+
+    monkeypatch.setattr(fit, "measure", timed)
+
+
+def _launches(monkeypatch) -> list[str]:
+    """The precision (Accelerate's name) of every launch from here on. A launch finds the models of
+    the launches before it gone (a relaunch lets go of its device memory first)."""
+    import gc
+    import weakref
+
+    from vramfit import fit, launch
+
+    seen, models, start, choose = [], [], launch.start, fit.choose
+
+    def starting(cfg, run_dir=None, precision=None):
+        gc.collect()  # what only the collector frees (reference cycles) is freed at the launch too
+        assert not any(ref() is not None for ref in models), "an earlier launch's model is still held"
+        seen.append(precision.accelerate)
+        return start(cfg, run_dir, precision)
+
+    def choosing(run, given=None):
+        models.append(weakref.ref(run.model))
+        return choose(run, given)
+
+    monkeypatch.setattr(launch, "start", starting)
+    monkeypatch.setattr(fit, "choose", choosing)
+    return seen
+
+
+def test_auto_precision_is_measured_and_the_run_relaunched_in_it_trains_as_one_given_it(tmp_path, fit_cache,
+                                                                                          monkeypatch, train_cli):
+    """`train.precision: auto` on a (stand-in) GPU with bf16: the leader is measured in fp16 too;
+    fp16 measures faster, so the run starts again in fp16 before anything is written (its default
+    name says fp16, no bf16 folder is left). Cut and resumed, it starts in fp16 at once and does not
+    probe; its weights are bitwise those of a run given fp16 and the chosen settings directly. A new
+    run of the same settings takes the cached choice and relaunches without probing."""
+    from vramfit import fit
+    from vramfit.cli import run
+    from vramfit.launch import forget
+
+    out = tmp_path / "runs"
+    # The micro-batch as written: the layouts and the precision are the candidates, all measured.
+    settings = tiny_args(*FASTEST, *AUTO_PRECISION, "--micro-batch", "16")
+    args = ["train", *settings, "--output", str(out)]
+    _fp16_faster(monkeypatch)
+    launches = _launches(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        run([*args, "--set", "debug.signal_at_step=12"])
+    assert e.value.code == 143 and launches == ["bf16", "fp16"]
+    (run_dir,) = out.iterdir()
+    assert "-fp16-" in run_dir.name
+
+    def no_probe(*_):
+        raise AssertionError("a resume probed again")
+
+    monkeypatch.setattr(fit, "measure", no_probe)
+    launches.clear()
+    forget()  # each run below in this process builds its own Accelerator, as a new process would
+    assert run(args) == 0 and launches == ["fp16"]
+    s = _summary(run_dir)
+    chosen = s["fit"]["chosen"]
+    assert s["precision"] == "fp16" and chosen["precision"] == "fp16" and s["fit"]["cached"]
+    cands = s["fit"]["candidates"]
+    assert [c["settings"]["precision"] for c in cands] == ["bf16", "bf16", "fp16"]
+    assert all(c["outcome"] == "measured" for c in cands)
+
+    launches.clear()
+    forget()
+    again_dir, code = train_cli(*settings, run_name="again", output=out)
+    assert code == 0 and launches == ["bf16", "fp16"] and _summary(again_dir)["fit"]["cached"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([run_dir.name, "again"])
+
+    forget()
+    direct_dir, code = train_cli(*tiny_args("--precision", "fp16", "--set", "debug.gpu_precisions_on_cpu=true",
+                                            "--micro-batch", str(chosen["micro_batch"]), "--set",
+                                            f"model.channels_last={str(chosen['channels_last']).lower()}"),
+                                 run_name="direct")
+    assert code == 0 and _summary(direct_dir)["precision"] == "fp16"
+    a, b = _last_weights(run_dir), _last_weights(direct_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_processes_start_again_together_in_the_chosen_precision(tmp_path, fit_cache):
+    """Under torchrun (2 CPU processes, gloo) fp16 measures faster (tests/_fp16_fastest.py): both
+    processes start again in it, on the process group they have, and train to the end in fp16."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "tests" / "_fp16_fastest.py"),
+           *tiny_args(*FASTEST, *AUTO_PRECISION, "--micro-batch", "8", "--set", "model.bn=freeze"),
+           "--output", str(out)]  # the micro-batch as written: three candidates, all measured
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run_dir,) = out.iterdir()
+    s = _summary(run_dir)
+    assert "-fp16-" in run_dir.name and s["num_processes"] == 2
+    assert s["precision"] == s["fit"]["chosen"]["precision"] == "fp16" and s["finished"]
+    assert "measured faster than bf16" in proc.stderr

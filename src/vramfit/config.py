@@ -157,7 +157,8 @@ class TrainConfig(Section):
     micro_batch: int | Literal["auto"] | None = None
     eval_batch: int | None = Field(None, ge=1)
     # fp32 (`no`, Accelerate's name, is accepted too), bf16 or fp16 autocast; `auto`: bf16 where the
-    # GPU has it, else fp16; fp32 on a CPU.
+    # GPU has it (with `fit: fastest`, whichever of bf16 and fp16 measures faster), else fp16; fp32
+    # on a CPU.
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     clip_grad_norm: float | None = Field(1.0, gt=0.0)
@@ -264,6 +265,10 @@ class DebugConfig(Section):
     # Run `train.precision: fp16` on a CPU as a GPU would (fp16 autocast and GradScaler loss
     # scaling), instead of in fp32: lets the fp16 recipes' own path run end to end without a GPU.
     fp16_on_cpu: bool = False
+    # Resolve `train.precision` on a CPU as on a GPU with bf16: `auto` is bf16, with fp16 (run as
+    # `fp16_on_cpu` runs it) the other precision `train.fit: fastest` measures; the precision
+    # choice and its relaunch run end to end without a GPU.
+    gpu_precisions_on_cpu: bool = False
 
 
 class Config(Section):

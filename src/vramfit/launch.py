@@ -94,9 +94,11 @@ def _join_elastic_round(device_type: str) -> None:
                             world_size=world)
 
 
-def start(cfg, run_dir: Path | None = None) -> Launch:
-    """The process's Accelerator, in the precision `precision.here(cfg)` resolves; with the run's
-    trackers when `run_dir` is given (TensorBoard writes into it), none without (lr-find, benches)."""
+def start(cfg, run_dir: Path | None = None, precision: Precision | None = None) -> Launch:
+    """The process's Accelerator, in `precision` (default: what `precision.here(cfg)` resolves);
+    with the run's trackers when `run_dir` is given (TensorBoard writes into it), none without
+    (lr-find, benches). Once more after `forget()` (a relaunch in another precision) it makes a new
+    Accelerator on the process group it has."""
     # Must be set before CUDA initialises; expandable segments cut fragmentation-driven OOMs.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from accelerate import Accelerator
@@ -113,7 +115,7 @@ def start(cfg, run_dir: Path | None = None) -> Launch:
     hold_foreground()  # Ctrl-C in a terminal reaches the trainer, not `accelerate launch` (terminal.py)
     check_gpu_recipe(cfg, torch.cuda.is_available())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    precision = precisions.here(cfg)
+    precision = precision or precisions.here(cfg)
     _join_elastic_round(device_type)
     acc = Accelerator(mixed_precision=precision.accelerate,
                       cpu=device_type == "cpu",  # without it Accelerate ignores a torchrun world on CPU
