@@ -62,8 +62,8 @@ def resolve(requested: str | None, device_type: str, *, bf16_supported: bool | N
 
             bf16_supported = torch.cuda.is_bf16_supported()
         if asked == "auto":
-            ruled = auto_choices(bf16_supported)[0]
-            if chosen not in (None, ruled) and chosen in auto_choices(bf16_supported):
+            ruled, *others = auto_choices(bf16_supported)
+            if chosen in others:
                 return Precision(asked, chosen, f"auto: {NAMES[chosen]}, measured faster than {NAMES[ruled]} "
                                                 "(train.fit: fastest)")
             return Precision(asked, ruled)

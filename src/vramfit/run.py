@@ -32,6 +32,7 @@ def _train(cfg: Config) -> tuple[int, dict]:
     starts again in it, before anything of it is written, with that choice (fit.Relaunch)."""
     chosen, given = continued_precision(cfg), None
     for _ in range(MAX_LAUNCHES):
+        # ------------------------------------------------------------ launch
         runs_in = precision.here(cfg, chosen)
         paths = RunPaths.of(cfg, runs_in.name)
         L = launch.start(cfg, paths.dir, runs_in)
