@@ -9,6 +9,12 @@ full size) and wall time; medians over the seeds.
 Must hold: the progressive median accuracy at least the fixed one less 0.3 points, in at most
 0.8x its median wall time. Exit 1 when either does not.
 
+Beside them, what the schedule could save here at best: one training step (forward, backward,
+update of the recipe's model and optimizer on random images of the global batch, no loading) timed
+at every size the schedule trains at, and the schedule's steps priced by it against the fixed
+run's (evaluation and start-up, which do not shrink, left out). Where that ceiling is above 0.8x,
+the wall bound cannot hold on this device whatever the accuracy.
+
     python bench/progressive.py                     # the quickstart on this CPU (~4 minutes on 2 cores)
     python bench/progressive.py --recipe rtx3060 --model resnet50 --image-size 224 --train-samples 2048 --epochs 4
                                                     # a GPU, the allocator capped at the recipe's card
@@ -39,6 +45,67 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     ap.add_argument("--json", default=None, help="write the figures here too")
     return ap.parse_args(argv)
+
+
+def run_config(run_dir: Path):
+    """A run's resolved config, from its run folder's config.yaml."""
+    import yaml
+
+    from vramfit.config import Config
+
+    return Config.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+
+
+def step_costs(cfg, micro: dict[int, int], device, rounds: int = 6) -> dict[int, float]:
+    """Seconds of one training step of `cfg`'s model and optimizer at each size of `micro` (px ->
+    the micro-batch the runs trained it at), the global batch in micro-batches of that size, the
+    update once. The sizes take turns, round after round, so that a slow stretch of a shared
+    machine falls on all of them; each size's figure is its fastest round after the first."""
+    import time
+
+    import torch
+
+    from vramfit.models import create_model
+    from vramfit.optim import create_optimizer
+    from vramfit.precision import here
+
+    torch.manual_seed(0)
+    model = create_model(cfg.model, 10, load_weights=False, image_size=cfg.data.image_size, any_size=True)
+    model = model.to(device).train()
+    opt = create_optimizer(model, cfg.optim, cfg.train.global_batch)
+    dtype = here(cfg).autocast_dtype
+    times: dict[int, list[float]] = {size: [] for size in micro}
+    for _ in range(rounds):
+        for size, m in micro.items():
+            x = torch.randn(m, 3, size, size, device=device)
+            y = torch.randint(0, 10, (m,), device=device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(-(-cfg.train.global_batch // m)):
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[size].append(time.perf_counter() - t0)
+    return {size: min(t[1:]) for size, t in times.items()}
+
+
+def ceiling(cfg, fixed: dict, progressive: dict) -> tuple[list[tuple[int, int, float]], float]:
+    """Per size the progressive run trained at (size, steps, its step's cost against the fixed
+    run's step), and its training steps priced so against the fixed run's. `cfg`: the progressive
+    run's config; `fixed`, `progressive`: the two runs' summary.json (the micro-batch of each size)."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    full = cfg.data.image_size
+    micro = {p["image_size"]: p["micro_batch"] for p in progressive["phases"] if p["image_size"] != full}
+    cost = step_costs(cfg, {**micro, full: fixed["micro_batch"]}, device)
+    rows = [(p["image_size"], p["steps"], cost[p["image_size"]] / cost[full]) for p in progressive["phases"]]
+    return rows, sum(steps * c for _, steps, c in rows) / sum(steps for _, steps, _ in rows)
 
 
 def base_args(args, output: Path) -> list[str]:
@@ -98,12 +165,19 @@ def main(argv=None) -> int:
     gap = med["progressive"]["accuracy"] - med["fixed"]["accuracy"]
     ratio = med["progressive"]["wall_seconds"] / med["fixed"]["wall_seconds"]
     accurate, fast = gap >= -0.003, ratio <= 0.8
+    seed = args.seeds.split(",")[0]
+    per_size, best = ceiling(run_config(root / f"progressive-s{seed}"), rows["fixed"][0], rows["progressive"][0])
+    print("step cost by size on this device (one step of the recipe's model and optimizer, against the full "
+          "size's): " + ", ".join(f"{size} px {c:.2f}x ({steps} steps)" for size, steps, c in per_size))
+    print(f"the schedule's training steps at best {best:.3f}x the fixed run's"
+          + ("" if best <= 0.8 else ": above 0.80x, so the wall bound cannot hold on this device"))
     print(f"accuracy {100 * gap:+.2f} points (>= -0.30: {'holds' if accurate else 'DOES NOT HOLD'}); "
           f"wall {ratio:.3f}x (<= 0.80x: {'holds' if fast else 'DOES NOT HOLD'})")
     if args.json:
         Path(args.json).write_text(json.dumps({"median": med, "runs": {k: [{"final_accuracy": r["final_accuracy"],
                                    "wall_seconds": r["wall_seconds"], "phases": r["phases"]} for r in v]
-                                   for k, v in rows.items()}, "device": device_name()}, indent=1))
+                                   for k, v in rows.items()}, "device": device_name(),
+                                   "step_cost_by_size": per_size, "step_ceiling": best}, indent=1))
     return 0 if accurate and fast else 1
 
 

@@ -68,3 +68,19 @@ def test_the_staged_recipe_run_prints_each_phases_fit(train_cli, tmp_path, monke
     lines = bench("recipe_run").fit_lines(json.loads((run_dir / "summary.json").read_text()))
     assert [line.split(":")[0].strip() for line in lines] == ["fit for phase head", "fit for phase all"]
     assert all("micro 16" in line and "probed in" in line for line in lines), lines
+
+
+def test_the_progressive_bench_prices_the_schedules_steps_by_their_size():
+    """bench/progressive.py's ceiling: every size the progressive run trained at is timed (one step
+    at the micro-batch it trained at), priced against the full size's step, and the schedule's
+    steps weighted by their count."""
+    from vramfit.resize import schedule_of
+
+    cfg = build_config(None, ["model.name=test_resnet", "data.image_size=32", "train.global_batch=16",
+                              "data.progressive_resize=true"])
+    spans = schedule_of(cfg, 10).spans
+    progressive = {"phases": [{"image_size": sp.image_size, "steps": sp.steps, "micro_batch": 8} for sp in spans]}
+    rows, best = bench("progressive").ceiling(cfg, {"micro_batch": 16}, progressive)
+    assert [(size, steps) for size, steps, _ in rows] == [(sp.image_size, sp.steps) for sp in spans]
+    assert rows[-1][0] == 32 and rows[-1][2] == 1.0 and all(cost > 0 for _, _, cost in rows)
+    assert best == pytest.approx(sum(steps * cost for _, steps, cost in rows) / 100)
