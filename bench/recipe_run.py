@@ -76,10 +76,12 @@ def fit_lines(summary: dict) -> list[str]:
 
 def cap_allocator(recipe: str) -> int | None:
     """Cap this process's allocator at the recipe's card; returns the cap in bytes."""
-    import torch
-
+    # vramfit before torch: it sets OpenMP's wait (vramfit.openmp) before torch loads libgomp, so the
+    # runs of a bench on a CPU wait as `vramfit train` does.
     from vramfit.config import build_config
     from vramfit.planner import reported_total_bytes
+
+    import torch
 
     gib = build_config(recipe).hardware.memory_gib
     if gib is None or not torch.cuda.is_available():
