@@ -59,7 +59,7 @@ from . import batching
 from .caches import read_entry, write_entry
 from .collectives import agree_max, agree_min
 from .phases import phase_named
-from .precision import NAMES, fit_choices
+from .precision import NAMES, dtype_of, fit_choices
 from .sizeplan import first_plan, hold, segment_start, segment_steps
 
 log = logging.getLogger("vramfit")
@@ -465,8 +465,9 @@ def predicted_peak(run, s: Settings) -> int | None:
     if run.launch.device_type != "cuda":
         return None
     try:
-        return estimate(_config(run, s), len(run.class_names), s.micro_batch, s.precision or run.launch.precision.accelerate,
-                        num_processes=run.launch.world, per_process_batch=run.plan.micro.per_process_batch).peak_bytes
+        return estimate(_config(run, s), len(run.class_names), s.micro_batch,
+                        s.precision or run.launch.precision.accelerate, num_processes=run.launch.world,
+                        per_process_batch=run.plan.micro.per_process_batch).peak_bytes
     except Exception:  # noqa: BLE001 - a model the tracer cannot follow is still measured
         return None
 
@@ -535,8 +536,8 @@ def _running_in(run, precision: str | None):
     module = L.acc.unwrap_model(run.model)
     wrapped = module.__dict__.get("forward")
     plain = module.__dict__.get("_original_forward", module.forward)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    module.forward = convert_outputs_to_fp32(torch.autocast(L.acc.device.type, dtype=dtype)(plain))
+    autocast = torch.autocast(L.acc.device.type, dtype=dtype_of(precision))
+    module.forward = convert_outputs_to_fp32(autocast(plain))
     try:
         yield
     finally:

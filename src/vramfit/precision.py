@@ -37,9 +37,14 @@ class Precision:
 
     @property
     def autocast_dtype(self):
-        import torch
+        return dtype_of(self.accelerate)
 
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerate)
+
+def dtype_of(accelerate_name: str):
+    """The dtype autocast computes in for a precision as Accelerate names it (None: fp32, no autocast)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerate_name)
 
 
 def requested_name(requested: str | None) -> str:
