@@ -9,9 +9,9 @@ full size) and wall time; medians over the seeds.
 Must hold: the progressive median accuracy at least the fixed one less 0.3 points, in at most
 0.8x its median wall time. Exit 1 when either does not.
 
-Beside them, what the schedule could save here at best: one training step (forward, backward,
-update of the recipe's model and optimizer on random images of the global batch, no loading) timed
-at every size the schedule trains at, and the schedule's steps priced by it against the fixed
+Beside them, what the schedule could save here at best: one training step (the run's own step:
+forwards, backwards and update on random images of the global batch, no loading) timed at every
+size the schedule trains at, and the schedule's steps priced by it against the fixed
 run's (evaluation and start-up, which do not shrink, left out). Where that ceiling is above 0.8x,
 the wall bound cannot hold on this device whatever the accuracy.
 
@@ -56,41 +56,38 @@ def run_config(run_dir: Path):
     return Config.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
 
 
-def step_costs(cfg, micro: dict[int, int], device, rounds: int = 6) -> dict[int, float]:
-    """Seconds of one training step of `cfg`'s model and optimizer at each size of `micro` (px ->
-    the micro-batch the runs trained it at), the global batch in micro-batches of that size, the
-    update once. The sizes take turns, round after round, so that a slow stretch of a shared
-    machine falls on all of them; each size's figure is its fastest round after the first."""
+def step_costs(cfg, micro: dict[int, int], rounds: int = 6) -> dict[int, float]:
+    """Seconds of one training step at each size of `micro` (px -> the micro-batch the runs trained
+    it at): the step a run trains with (setup.build_training, as bench/throughput.py times it) on
+    random images of the global batch, split into micro-batches of that size. The sizes take turns,
+    round after round, so that a slow stretch of a shared machine falls on all of them; each size's
+    figure is its fastest round after the first."""
     import time
 
     import torch
 
-    from vramfit.models import create_model
-    from vramfit.optim import create_optimizer
-    from vramfit.precision import here
+    from vramfit import launch, setup
 
-    torch.manual_seed(0)
-    model = create_model(cfg.model, 10, load_weights=False, image_size=cfg.data.image_size, any_size=True)
-    model = model.to(device).train()
-    opt = create_optimizer(model, cfg.optim, cfg.train.global_batch)
-    dtype = here(cfg).autocast_dtype
-    times: dict[int, list[float]] = {size: [] for size in micro}
-    for _ in range(rounds):
-        for size, m in micro.items():
-            x = torch.randn(m, 3, size, size, device=device)
-            y = torch.randint(0, 10, (m,), device=device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(-(-cfg.train.global_batch // m)):
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = torch.nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[size].append(time.perf_counter() - t0)
+    L = launch.start(cfg)
+    try:
+        training = setup.build_training(cfg, L, [str(i) for i in range(10)], steps_per_epoch=1)
+        batch, device = cfg.train.global_batch // L.world, L.acc.device
+        fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
+        times: dict[int, list[float]] = {size: [] for size in micro}
+        for _ in range(rounds):
+            for size, m in micro.items():
+                training.step.state.micro_batch = m
+                x = torch.randn(batch, 3, size, size).to(device, memory_format=fmt)
+                y = torch.randint(0, 10, (batch,)).to(device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                training.step(x, y, batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[size].append(time.perf_counter() - t0)
+    finally:
+        launch.forget()  # the next run in this process builds its own Accelerator
     return {size: min(t[1:]) for size, t in times.items()}
 
 
@@ -98,12 +95,9 @@ def ceiling(cfg, fixed: dict, progressive: dict) -> tuple[list[tuple[int, int, f
     """Per size the progressive run trained at (size, steps, its step's cost against the fixed
     run's step), and its training steps priced so against the fixed run's. `cfg`: the progressive
     run's config; `fixed`, `progressive`: the two runs' summary.json (the micro-batch of each size)."""
-    import torch
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     full = cfg.data.image_size
     micro = {p["image_size"]: p["micro_batch"] for p in progressive["phases"] if p["image_size"] != full}
-    cost = step_costs(cfg, {**micro, full: fixed["micro_batch"]}, device)
+    cost = step_costs(cfg, {**micro, full: fixed["micro_batch"]})
     rows = [(p["image_size"], p["steps"], cost[p["image_size"]] / cost[full]) for p in progressive["phases"]]
     return rows, sum(steps * c for _, steps, c in rows) / sum(steps for _, steps, _ in rows)
 
@@ -167,7 +161,7 @@ def main(argv=None) -> int:
     accurate, fast = gap >= -0.003, ratio <= 0.8
     seed = args.seeds.split(",")[0]
     per_size, best = ceiling(run_config(root / f"progressive-s{seed}"), rows["fixed"][0], rows["progressive"][0])
-    print("step cost by size on this device (one step of the recipe's model and optimizer, against the full "
+    print("step cost by size on this device (one step as the run trains it, against the full "
           "size's): " + ", ".join(f"{size} px {c:.2f}x ({steps} steps)" for size, steps, c in per_size))
     print(f"the schedule's training steps at best {best:.3f}x the fixed run's"
           + ("" if best <= 0.8 else ": above 0.80x, so the wall bound cannot hold on this device"))
