@@ -73,7 +73,7 @@ def test_the_planner_plans_for_a_gpu_with_bf16():
 
 
 def test_a_cpu_run_says_fp32_where_auto_was_asked():
-    """summary.json, plan.json and the fingerprint say what ran (the tiny run asks for `auto`)."""
+    """summary.json, plan.json and the run's identity say what ran (the tiny run asks for `auto`)."""
     import json
 
     from _trained_runs import trained_run
@@ -86,7 +86,7 @@ def test_a_cpu_run_says_fp32_where_auto_was_asked():
     assert json.loads((run.path / "summary.json").read_text())["precision"] == "fp32"
     assert json.loads((run.path / "plan.json").read_text())["precision"] == "no"  # as Accelerate names it
     state = checkpoint.read_state(checkpoint.latest(run.path / "checkpoints"))
-    assert state["fingerprint"]["precision"] == "fp32"
+    assert state["identity"]["train.precision"] == "fp32"
 
 
 def test_the_default_run_name_holds_what_runs():

@@ -286,7 +286,8 @@ class Config(Section):
     # `auto`: continue from the newest complete checkpoint of this run if there is one.
     # `never`: refuse to reuse an existing run folder. Or a path to a checkpoint folder.
     resume: str = "auto"
-    # Allow resuming with another process count or a changed model/data/batch/optimizer/seed.
+    # Continue a run with settings that change its maths or data (recorded with the step they took
+    # effect: summary.json `resume_changes`, config.yaml), or with another process count.
     allow_resume_change: bool = False
 
     @field_validator("run_name")
@@ -311,6 +312,56 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# A run's identity (DESIGN.md): every setting changes the run's maths or data unless it is declared
+# here as execution-only. Resume refuses a change of any other setting (`maths_settings`), the
+# default run name carries them, and the fit cache is keyed by them. A dotted key names one
+# setting; one ending in `.` a whole section; the longest match decides.
+
+EXECUTION_ONLY = {
+    # How one training step runs: the fit chooses these or is bounded by them (its cache holds them).
+    "step": ("train.micro_batch", "train.compile", "train.cudnn_benchmark", "train.fit", "train.fit_probe_fraction",
+             "model.grad_checkpointing", "model.channels_last", "data.num_workers", "hardware.",
+             "debug.simulate_oom_above", "debug.simulate_oom_in_recovery"),
+    # Where the run writes, what it keeps and says, when it gives up, and the faults tests inject.
+    "run": ("recipe", "output", "run_name", "resume", "allow_resume_change", "train.eval_batch",
+            "train.log_every_steps", "train.max_consecutive_skipped_steps", "data.max_bad_fraction",
+            "data.cache_dir", "checkpoint.", "tracking.", "debug."),
+}
+
+
+def execution_group(key: str) -> str | None:
+    """The execution-only group a dotted config key belongs to (None: it changes the run)."""
+    best, group = 0, None
+    for name, keys in EXECUTION_ONLY.items():
+        for k in keys:
+            if (key == k or k.endswith(".") and key.startswith(k)) and len(k) > best:
+                best, group = len(k), name
+    return group
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """A nested mapping as {dotted key: value}."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def maths_settings(cfg: "Config") -> dict:
+    """Every setting of `cfg` that changes the run's maths or data, as {dotted key: value}."""
+    return {k: v for k, v in flat(cfg.model_dump(mode="json")).items() if execution_group(k) is None}
+
+
+def execution_settings(cfg: "Config", group: str | None = None) -> dict:
+    """The execution-only settings of `cfg` (of one group, or all), as {dotted key: value}."""
+    return {k: v for k, v in flat(cfg.model_dump(mode="json")).items()
+            if execution_group(k) is not None and (group is None or execution_group(k) == group)}
 
 
 # ---------------------------------------------------------------------------------------------

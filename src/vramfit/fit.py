@@ -58,6 +58,7 @@ import torch
 from . import batching
 from .caches import read_entry, write_entry
 from .collectives import agree_max, agree_min
+from .config import execution_settings
 from .phases import phase_named
 from .precision import NAMES, dtype_of, fit_choices
 from .sizeplan import first_plan, hold, segment_start, segment_steps
@@ -572,19 +573,19 @@ def apply(run, s: Settings) -> None:
 
 # ---------------------------------------------------------------------------------- the cache
 def cache_key(run) -> str:
-    """What a measured choice depends on: machine, device, model and its settings, the batch split
-    and the library versions."""
+    """What a measured choice depends on: the machine, its device and library versions, the run's
+    identity (its maths and data: resume.identity, as this launch computed it), the settings that
+    bound how its step runs (config.EXECUTION_ONLY["step"]) and the phase's plan."""
     import timm
 
     cfg, L = run.cfg, run.launch
     dev = torch.cuda.get_device_name(L.acc.device) if L.device_type == "cuda" else platform.processor() or "cpu"
     plan = run.plan  # the phase's, at the size it is for
+    identity = dict(run.start.identity.maths, **{"train.precision": _precision_key(run)})
     parts = (platform.node(), dev, os.cpu_count(), torch.get_num_threads(), torch.__version__, timm.__version__,
-             cfg.model.name, cfg.data.image_size, cfg.data.progressive_resize, _precision_key(run), L.world,
-             plan.micro.per_process_batch, plan.micro.size, plan.micro.source, plan.image_size, plan.phase,
-             cfg.model.channels_last, cfg.model.grad_checkpointing, cfg.model.bn, ",".join(cfg.model.freeze),
-             len(run.class_names), cfg.optim.name, cfg.train.compile, cfg.data.num_workers,
-             cfg.debug.simulate_oom_above, cfg.debug.fp16_on_cpu)
+             json.dumps(identity, sort_keys=True), json.dumps(execution_settings(cfg, "step"), sort_keys=True),
+             L.world, plan.micro.per_process_batch, plan.micro.size, plan.micro.source, plan.image_size, plan.phase,
+             len(run.class_names))
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
 
 

@@ -1,33 +1,28 @@
 """Resume policy: which checkpoint a run continues from, whether it may, and loading it.
 
 A run folder belongs to one run. Re-running the same command continues it exactly (`--resume auto`);
-a command whose settings change the optimisation stops with what changed and how to start fresh,
-before anything is loaded, even when the run had finished; a change that only changes how the run
-is executed (the micro-batch, the process count with `allow_resume_change`) is said at start.
+a command whose identity differs (any setting that changes the maths or the data: every one not
+declared execution-only in config.EXECUTION_ONLY, and the data's own listing) stops with what changed
+and how to start fresh, before anything is loaded or written, even when the run had finished; one
+that only changes how the run executes (the micro-batch, the workers, ...) is said at start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import checkpoint
-from .config import Config
+from .config import Config, execution_settings, maths_settings
 from .errors import VramfitError
 from .precision import NAMES
 from .state import TrainerState
 
 log = logging.getLogger("vramfit")
-
-# Settings that change the maths of the run: a resumed run must share them.
-MATHS_KEYS = ("model", "image_size", "source", "data_identity", "global_batch", "optimizer", "lr",
-              "seed", "epochs", "precision", "ema_decay", "split_seed", "freeze", "freeze_epochs", "layer_decay",
-              "unfreeze_warmup_epochs", "bn", "bn_momentum", "bn_momentum_per", "precise_bn", "progressive_resize")
-# Settings that only change how the run is executed: a change is said, not refused.
-EXECUTION_KEYS = ("micro_batch",)
-
 
 @dataclass
 class ResumePoint:
@@ -35,34 +30,50 @@ class ResumePoint:
     state: TrainerState  # trainer_state.json as saved
 
 
-def data_identity(source: str) -> str | None:
+@dataclass(frozen=True)
+class Identity:
+    """A launch's identity (DESIGN.md "A run's identity"): `maths`, every setting that changes the
+    run's maths or data (config.maths_settings, with the precision that runs and the data's own
+    identity), which a resumed run must share; `execution`, how it runs, which it may change."""
+
+    maths: dict
+    execution: dict
+
+
+def identity(cfg: Config, precision: str) -> Identity:
+    """`precision`: what runs (precision.resolve's name), so `auto` that ran bf16 and `bf16` are one
+    run. Lists the files of a local data source: computed once a launch (setup.find_start)."""
+    maths = maths_settings(cfg)
+    maths["train.precision"] = precision
+    source = Path(cfg.data.source)
+    maths["data.source"] = str(source.resolve()) if source.exists() else cfg.data.source
+    maths["data.listing"] = data_identity(cfg.data.source, skip=Path(cfg.output))
+    return Identity(maths, execution_settings(cfg))
+
+
+def data_identity(source: str, skip: Path | None = None) -> str | None:
     """More than the path string: for a local folder or file, its file count and a hash of the
-    listing (names and sizes; no file is read), so new data under the same path is seen."""
+    listing (names and sizes; no file is read), so new data under the same path is seen. `skip`:
+    a folder inside it that is not data (the run's own --output, whose checkpoints would otherwise
+    change the data's identity at every save)."""
     p = Path(source)
     if not p.exists():
         return None
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    if p.is_file():
+        entries = [(p.name, p.stat().st_size)]
+    else:
+        skip_at = skip.resolve() if skip is not None else None
+        entries = []
+        for root, dirs, files in os.walk(p, followlinks=True):
+            dirs[:] = [d for d in dirs if Path(root, d).resolve() != skip_at]
+            for f in files:
+                with contextlib.suppress(FileNotFoundError):  # removed while listed: not data any more
+                    entries.append((str(Path(root, f).relative_to(p)), Path(root, f).stat().st_size))
+        entries.sort()
     h = hashlib.blake2b(digest_size=8)
-    for f in files:
-        h.update(f"{f.relative_to(p) if f != p else f.name}:{f.stat().st_size}\n".encode())
-    return f"{len(files)} files, {h.hexdigest()}"
-
-
-def fingerprint(cfg: Config, precision: str) -> dict:
-    """What a resumed run must share with the run it continues, and what it records. `precision`:
-    what runs (precision.resolve's name), so `auto` that ran bf16 and `bf16` are the same run."""
-    return {"model": cfg.model.name, "image_size": cfg.data.image_size, "source": cfg.data.source,
-            "data_identity": data_identity(cfg.data.source), "global_batch": cfg.train.global_batch,
-            "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "seed": cfg.train.seed,
-            "epochs": cfg.train.epochs,  # epochs shape the LR schedule
-            "precision": precision, "ema_decay": cfg.model.ema_decay,
-            "split_seed": getattr(cfg.data, "split_seed", 0), "micro_batch": cfg.train.micro_batch,
-            "freeze": list(cfg.model.freeze), "freeze_epochs": cfg.train.freeze_epochs,
-            "layer_decay": cfg.optim.layer_decay, "unfreeze_warmup_epochs": cfg.optim.unfreeze_warmup_epochs,
-            "bn": cfg.model.bn, "bn_momentum": cfg.model.bn_momentum,
-            "bn_momentum_per": cfg.model.bn_momentum_per, "precise_bn": cfg.model.precise_bn,
-            "progressive_resize": (cfg.data.progressive_resize.model_dump()
-                                   if cfg.data.progressive_resize is not None else None)}
+    for name, size in entries:
+        h.update(f"{name}:{size}\n".encode())
+    return f"{len(entries)} files, {h.hexdigest()}"
 
 
 def find(cfg: Config, ckpt_dir: Path) -> ResumePoint | None:
@@ -98,32 +109,34 @@ def continued_precision(cfg: Config, folders: dict[str, Path]) -> str | None:
     found = []
     for path in filter(None, newest):
         try:
-            found.append((path.stat().st_mtime, checkpoint.read_state(path)["fingerprint"]["precision"]))
+            found.append((path.stat().st_mtime, checkpoint.read_state(path)["identity"]["train.precision"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # find_start says what is wrong with it
     by_name = {NAMES[p]: p for p in folders}
     return next((by_name[n] for _, n in sorted(found, reverse=True) if n in by_name), None)
 
 
-def check(cfg: Config, point: ResumePoint, world: int, new: dict) -> list[str]:
-    """Refuse a resume that would change the run's maths (unless allowed); return the notes to
-    print for what changes only its execution. `new`: this launch's `fingerprint(cfg)`."""
-    old = point.state.fingerprint
-    diffs = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in MATHS_KEYS if k in old and old[k] != new[k]]
-    notes = []
-    if diffs and not cfg.allow_resume_change:
-        raise VramfitError(
-            f"Cannot resume {point.path.parent.parent}: the settings changed in ways that change the run ("
-            + "; ".join(diffs) + ").",
-            hint="restore those settings; or start fresh with another --run-name (or --output); or accept "
-                 "the change with --set allow_resume_change=true")
-    if diffs:
-        notes.append("resuming despite changed settings (" + "; ".join(diffs) + "): allow_resume_change")
-    for k in EXECUTION_KEYS:
-        if k in old and old[k] != new[k]:
-            notes.append(f"resumed with {k} {new[k]!r} (the checkpoint's run used {old[k]!r}); with "
-                         "train-mode BatchNorm the statistics are taken over other groups from here on")
-    saved_world = point.state.world_size
+def check(cfg: Config, point: ResumePoint, world: int, new: Identity) -> tuple[list[str], dict | None]:
+    """Refuse a resume whose maths or data changed (unless allowed), before anything is written.
+    Returns the notes to say (what changed in how it runs; an allowed change) and, for an allowed
+    change, its record: the step it takes effect at and each setting's old and new value."""
+    saved, run_dir = point.state, point.path.parent.parent
+    if not saved.identity and not cfg.allow_resume_change:
+        raise VramfitError(f"Cannot resume {run_dir}: its checkpoint does not record the settings it ran with "
+                           "(written by an earlier vramfit), so a change of them cannot be ruled out.",
+                           hint=CHANGE_HINT)
+    changed = differences(saved.identity, new.maths) if saved.identity else {}
+    said = "; ".join(f"{k}: {_shown(old)} -> {_shown(now)}" for k, (old, now) in changed.items())
+    if changed and not cfg.allow_resume_change:
+        raise VramfitError(f"Cannot resume {run_dir}: {len(changed)} setting(s) that change the run's maths or "
+                           f"data differ from the run's ({said}).", hint=CHANGE_HINT)
+    notes, record = [], None
+    if changed:
+        record = {"step": saved.global_step, "settings": {k: list(v) for k, v in changed.items()}}
+        notes.append(f"resuming with changed settings from step {saved.global_step} ({said}): "
+                     "allow_resume_change; recorded in summary.json and config.yaml")
+    notes += execution_notes(saved.execution, new.execution)
+    saved_world = saved.world_size
     if saved_world not in (None, world):
         msg = (f"the checkpoint was written by {saved_world} process(es), this run has {world}: the "
                "global batch and sample order are unchanged, but per-process random states cannot be "
@@ -132,7 +145,36 @@ def check(cfg: Config, point: ResumePoint, world: int, new: dict) -> list[str]:
             raise VramfitError(f"Cannot resume: {msg}.", hint=f"launch with {saved_world} process(es), or "
                                                              "accept it with --set allow_resume_change=true")
         notes.append(f"resuming anyway: {msg}")
+    return notes, record
+
+
+CHANGE_HINT = ("to start a new run, give it a new --run-name (or --output); to continue this one with the "
+               "change on purpose, add --set allow_resume_change=true (the change is recorded with its step)")
+
+
+def differences(old: dict, new: dict) -> dict[str, tuple]:
+    """{key: (old value, new value)} for every key whose value differs (None where one lacks it)."""
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+
+
+def execution_notes(old: dict, new: dict) -> list[str]:
+    """What a resume changes in how the run executes: said, not refused."""
+    if not old:
+        return []
+    changed = differences(old, new)
+    notes = []
+    if "train.micro_batch" in changed:
+        was, now = changed.pop("train.micro_batch")
+        notes.append(f"resumed with micro_batch {now!r} (the checkpoint's run used {was!r}); with "
+                     "train-mode BatchNorm the statistics are taken over other groups from here on")
+    if changed:
+        notes.append("resumed with other execution settings (the maths is unchanged): "
+                     + "; ".join(f"{k}: {_shown(a)} -> {_shown(b)}" for k, (a, b) in changed.items()))
     return notes
+
+
+def _shown(value) -> str:
+    return "(not set)" if value is None else repr(value)
 
 
 def class_names_match(point: ResumePoint, class_names: list[str]) -> None:

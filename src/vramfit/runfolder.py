@@ -14,13 +14,9 @@ from pathlib import Path
 from .errors import VramfitError
 
 
-# Settings a default run name does not carry: already in its base, where the run writes, or
-# execution only (a resume with another value is said, not refused: resume.EXECUTION_KEYS).
-NAMED_IN_BASE = {"recipe", "model.name", "data.image_size", "train.global_batch", "train.precision", "train.seed",
-                 "output", "run_name", "resume", "allow_resume_change", "data.source"}
-NOT_NAMED = ("train.micro_batch", "train.eval_batch", "train.compile", "train.log_every_steps",
-             "train.cudnn_benchmark", "train.fit", "data.num_workers", "data.cache_dir", "model.grad_checkpointing",
-             "model.channels_last", "checkpoint.", "tracking.", "hardware.", "debug.")
+# The settings the start of a default run name carries (the rest of the run's identity that differs
+# from its recipe follows them: config.maths_settings).
+NAMED_IN_BASE = {"model.name", "data.image_size", "train.global_batch", "train.precision", "train.seed", "data.source"}
 MAX_READABLE = 40  # longer differences are named by a short hash
 
 
@@ -46,18 +42,17 @@ def default_run_name(cfg, precision_name: str) -> str:
 
 
 def _differences(cfg) -> tuple[str | None, list[tuple[str, object]]]:
-    """(the data's short name when it is not the recipe's, the run-changing settings that differ
-    from the recipe's with the same model), sorted by key."""
-    from .config import Config, build_config
+    """(the data's short name when it is not the recipe's, the settings of the run's identity that
+    differ from the recipe's with the same model), sorted by key."""
+    from .config import Config, build_config, maths_settings
 
     base = build_config(cfg.recipe, flags={"model.name": cfg.model.name}) if cfg.recipe else \
         Config.model_validate({"model": {"name": cfg.model.name}})
-    ours, theirs = _flat(cfg.model_dump(mode="json")), _flat(base.model_dump(mode="json"))
+    ours, theirs = maths_settings(cfg), maths_settings(base)
     data = None
     if ours.get("data.source") != theirs.get("data.source"):
         data = _safe(data_short_name(ours["data.source"]))
-    settings = [(k, v) for k, v in sorted(ours.items()) if theirs.get(k, object()) != v
-                and k not in NAMED_IN_BASE and not k.startswith(NOT_NAMED)]
+    settings = [(k, v) for k, v in sorted(ours.items()) if theirs.get(k, object()) != v and k not in NAMED_IN_BASE]
     return data, settings
 
 
@@ -66,16 +61,6 @@ def data_short_name(source) -> str:
     part (what run names and `compare` show)."""
     text = str(source).rstrip("/")
     return Path(text).name or text
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _short(value) -> str:
@@ -117,6 +102,10 @@ class RunPaths:
     @property
     def config(self) -> Path:
         return self.dir / "config.yaml"
+
+    def config_until(self, step: int) -> Path:
+        """The settings the run ran with up to `step`, where a resume there was allowed to change them."""
+        return self.dir / f"config-to-step-{step}.yaml"
 
     @property
     def env(self) -> Path:

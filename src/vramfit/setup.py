@@ -28,7 +28,7 @@ from .errors import VramfitError
 from .resize import Schedule, schedule_of
 from .runfolder import RunPaths
 from .state import TrainerState
-from .tracking import environment, write_json
+from .tracking import environment, write_json, write_text
 
 if TYPE_CHECKING:
     from .data import Loaders, Splits
@@ -45,12 +45,13 @@ log = logging.getLogger("vramfit")
 @dataclass
 class Start:
     """Where a launch starts: the checkpoint it continues (None: a fresh run), what to say about
-    it, and this launch's fingerprint (resume.fingerprint; computed once: it lists the files of a
-    local data source)."""
+    it, this launch's identity (resume.identity; computed once: it lists the files of a local data
+    source) and the change of it a resume was allowed (None: none)."""
 
     point: resume.ResumePoint | None = None
     notes: list[str] = field(default_factory=list)
-    fingerprint: dict = field(default_factory=dict)
+    identity: resume.Identity = field(default_factory=lambda: resume.Identity({}, {}))
+    change: dict | None = None
 
 
 @dataclass
@@ -298,16 +299,16 @@ def preflight(cfg: Config, L: Launch) -> None:
 
 
 def find_start(cfg: Config, L: Launch, paths: RunPaths) -> Start:
-    """The checkpoint to continue from, the notes to say about it, and this launch's fingerprint."""
+    """The checkpoint to continue from, the notes to say about it, and this launch's identity."""
     with agreed("looking for checkpoints", L.acc.device):
         if L.main:
             if cfg.resume == "auto":
                 checkpoint.latest(paths.checkpoints, cleanup=True)
     with agreed("reading the checkpoint", L.acc.device):
         point = resume.find(cfg, paths.checkpoints)
-        fingerprint = resume.fingerprint(cfg, L.precision.name)
-        notes = resume.check(cfg, point, L.world, fingerprint) if point else []
-    return Start(point, notes, fingerprint)
+        identity = resume.identity(cfg, L.precision.name)
+        notes, change = resume.check(cfg, point, L.world, identity) if point else ([], None)
+    return Start(point, notes, identity, change)
 
 
 def check_writable(output: Path) -> None:
@@ -547,7 +548,8 @@ def restore_state(cfg: Config, L: Launch, start: Start, micro: batching.MicroBat
 
     point = start.point
     state = TrainerState(micro_batch=micro.size, class_names=class_names, world_size=L.world,
-                         global_batch=cfg.train.global_batch, fingerprint=start.fingerprint,
+                         global_batch=cfg.train.global_batch, identity=start.identity.maths,
+                         execution=start.identity.execution,
                          wandb_run_id=wandb_run_id(point.state.wandb_run_id if point else None))
     if point is None:
         set_seed(cfg.train.seed + L.rank)  # per-process streams for dropout / drop-path from here on
@@ -555,8 +557,22 @@ def restore_state(cfg: Config, L: Launch, start: Start, micro: batching.MicroBat
     with agreed("loading the checkpoint", L.acc.device):
         resume.load(L.acc, point, L.world, cfg.train.seed, model, ema)
     state.continue_from(point.state)
+    if start.change:
+        state.resume_changes.append(start.change)
     scheduler.step_update(num_updates=state.global_step)
     return state
+
+
+def write_config(paths: RunPaths, cfg: Config, changes: list[dict], change: dict | None) -> None:
+    """config.yaml: the settings that run now. Where a resume was allowed to change them (`change`:
+    this launch's), what ran until then stays beside it (config-to-step-N.yaml), and its header
+    says every change, so the folder never claims the new settings for the whole run."""
+    if change and paths.config.is_file() and not paths.config_until(change["step"]).exists():
+        write_text(paths.config_until(change["step"]), paths.config.read_text())
+    header = "".join(f"# from step {c['step']} (allow_resume_change; until then: {paths.config_until(c['step']).name}): "
+                     + "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in c["settings"].items()) + "\n"
+                     for c in changes)
+    write_text(paths.config, header + cfg.to_yaml())
 
 
 def write_run_folder(run: Run) -> None:
@@ -571,7 +587,7 @@ def write_run_folder(run: Run) -> None:
         if L.main:
             try:
                 paths.dir.mkdir(parents=True, exist_ok=True)
-                paths.config.write_text(cfg.to_yaml())
+                write_config(paths, cfg, run.state.resume_changes, run.start.change)
                 write_json(paths.env, env)
                 write_json(paths.plan, plan)
             except OSError as e:

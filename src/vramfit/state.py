@@ -32,7 +32,11 @@ class TrainerState:
     world_size: int | None = None  # the processes that wrote it (None: a checkpoint that did not say)
     global_batch: int = 0
     finished: bool = False
-    fingerprint: dict = field(default_factory=dict)
+    # The launch's identity (resume.Identity): what a resume must share, and how it ran.
+    identity: dict = field(default_factory=dict)
+    execution: dict = field(default_factory=dict)
+    # Changes of the identity a resume was allowed (allow_resume_change): {"step", "settings": {key: [old, new]}}.
+    resume_changes: list[dict] = field(default_factory=list)
     wandb_run_id: str | None = None  # a resumed run appends to the same W&B run
     train_seconds: float = 0.0  # over every segment of the run, as of the checkpoint
     train_samples: int = 0
@@ -40,7 +44,7 @@ class TrainerState:
     fit: dict = field(default_factory=dict)  # train.fit's choice (fit.FitResult.as_dict): a resume keeps it
 
     # What resume must not take from the checkpoint: it belongs to the new launch.
-    LAUNCH_FIELDS = ("micro_batch", "phase", "world_size")
+    LAUNCH_FIELDS = ("micro_batch", "phase", "world_size", "identity", "execution")
 
     def state_dict(self) -> dict:
         return asdict(self)

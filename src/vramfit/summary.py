@@ -30,6 +30,7 @@ def build(run, clock) -> dict:
         "predicted_peak_memory_bytes": run.plan.reserved_bytes,
         "skipped_samples": state.skipped_samples, "skipped_steps": state.skipped_steps,
         "oom_retries": step_state.oom_retries, "micro_batch_changes": step_state.history,
+        "resume_changes": state.resume_changes,  # settings a resume was allowed to change, from their step
         "wall_seconds": clock.wall_seconds, "finished": state.finished,
         "unreadable_files": sorted(state.bad_files),
         "num_classes": len(class_names), "class_names": class_names, "empty_classes": run.splits.empty_classes,

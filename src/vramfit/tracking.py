@@ -206,8 +206,13 @@ def _last_time(metrics_file: Path) -> float:
 
 
 def write_json(path: Path, obj) -> None:
+    write_text(path, json.dumps(scrub(obj), indent=1, default=str))
+
+
+def write_text(path: Path, text: str) -> None:
+    """Whole or not at all: a crash mid-write leaves the file as it was."""
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(scrub(obj), indent=1, default=str))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
