@@ -52,7 +52,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 
 stage_table() {  # name MIN CAP, in the order of their value
   if [ "$MODE" = rehearse ]; then
-    printf '%s\n' "setup 40 40" "planner 25 25" "recipe 100 100" "throughput 45 45" "fit 40 60" \
+    printf '%s\n' "setup 60 60" "planner 25 25" "recipe 90 90" "throughput 40 40" "fit 40 60" \
       "progressive 30 60"
   else
     printf '%s\n' "setup 40 40" "planner 110 110" "recipe 100 100" "throughput 80 80" "fit 80 120" \

@@ -4,6 +4,8 @@
 #
 #   bash bench/gpu_wheels.sh                    # cp312 manylinux x86-64 wheels, for the GPU machine
 #   PY_VERSION=3.11 bash bench/gpu_wheels.sh    # the same set for a Python 3.11 (the CPU rehearsal)
+#   EXTRA="pyarrow fsspec" bash bench/gpu_wheels.sh  # and these, where the check's setup stage printed
+#                                               # that the machine's version does not meet a wheel's need
 #
 # Its image already holds torch, timm, accelerate, numpy, pandas, pyarrow, fsspec, xxhash, requests,
 # huggingface-hub, ... (docs/benchmarks.md, "The GPU check"); missing are vramfit's config (pydantic
@@ -17,6 +19,8 @@ cd "$(dirname "$0")/.."
 PY_VERSION=${PY_VERSION:-3.12}
 PACKAGES=(pydantic pydantic_core annotated-types typing-inspection typing_extensions
           datasets dill multiprocess evaluate)
+read -r -a extra <<<"${EXTRA:-}"
+PACKAGES+=("${extra[@]}")
 
 pin() {  # NAME -> NAME==VERSION from constraints.txt (names compared as pip normalises them)
   local want line norm
