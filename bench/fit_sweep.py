@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--image-size", type=int, default=None)
     ap.add_argument("--sweep-epochs", type=int, default=1, help="epochs each candidate trains per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the candidates (median)")
+    ap.add_argument("--chooser-epochs", type=int, default=None,
+                    help="epochs of the chooser's run (default: the recipe's; its probe is a larger share of a shorter run)")
     ap.add_argument("--train-samples", type=int, default=None, help="data.limit_train_samples")
     ap.add_argument("--precisions", default=None,
                     help="bf16,fp16: sweep each candidate in each, and let the chooser choose (`auto`)")
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
             print(f"  round {r + 1}: {label:<36} {runs[label][-1] if code == 0 else 0:8.0f} img/s"
                   + ("" if code == 0 else f" (exit {code})"), file=sys.stderr)
     swept = {label: statistics.median(v) if v else None for label, v in runs.items()}
-    code = vramfit([*common, "--run-name", "chooser", *chooser_args(precisions)])
+    epochs = ["--epochs", str(args.chooser_epochs)] if args.chooser_epochs else []
+    code = vramfit([*common, "--run-name", "chooser", *epochs, *chooser_args(precisions)])
     if code:
         print(f"the chooser's run failed (exit {code})")
         return 1

@@ -5,6 +5,8 @@
     python bench/memory_check.py --dry-run    # no GPU needed: the planner's predictions only
     python bench/memory_check.py --published  # no GPU needed: every public fit / OOM pair (--fit: refit)
     python bench/memory_check.py --empty-cache  # what empty_cache() after every step costs (~1 min)
+    python bench/memory_check.py --models resnet50,efficientnet_b0 --precisions no,bf16 --micros 32,64 \
+        --picks                               # a chosen grid, each of its model/precision picked too
 
 Part 1 (accuracy): ResNet50, EfficientNet-B0, ResNet18 x {fp32, bf16, fp16} x grad checkpointing
 {off, on} x micro-batch {32, 64, 128} at 224 px, AdamW, clip 1.0, label smoothing 0.1 -- the step
@@ -221,6 +223,7 @@ def true_max(model: str, precision: str, guess: int, known: dict[int, bool]) -> 
 
 
 def main(argv=None) -> int:
+    global IMAGE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="ResNet50 + EfficientNet-B0, fp32/bf16, no checkpointing, "
                                                          "micro 32/64; picks for ResNet50 bf16 only")
@@ -233,11 +236,17 @@ def main(argv=None) -> int:
                     help="with --published: add the rows of a memory_check.json measured on a card")
     ap.add_argument("--empty-cache", action="store_true",
                     help="only time steps with and without torch.cuda.empty_cache() after each (~1 min)")
+    ap.add_argument("--models", help="comma-separated timm names (default: resnet50,efficientnet_b0,resnet18)")
+    ap.add_argument("--precisions", help="comma-separated: no, bf16, fp16 (default: all three)")
+    ap.add_argument("--micros", help="comma-separated micro-batches (default: 32,64,128)")
+    ap.add_argument("--picks", action="store_true", help="check the pick of every model/precision of the grid")
+    ap.add_argument("--image-size", type=int, default=IMAGE, help="square images of this side (default 224)")
     ap.add_argument("--cap-gib", type=float, default=12.0, help="card size for the pick check (default 12)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="stop starting new work after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    IMAGE = args.image_size  # config() and steps() read it
     if args.published:
         from published import report
 
@@ -249,6 +258,14 @@ def main(argv=None) -> int:
     if args.quick:
         models, precs, ckpts, micros = ["resnet50", "efficientnet_b0"], ["no", "bf16"], [False], [32, 64]
         pick_cases = [("resnet50", "bf16")]
+    models = args.models.split(",") if args.models else models
+    precs = args.precisions.split(",") if args.precisions else precs
+    micros = [int(b) for b in args.micros.split(",")] if args.micros else micros
+    if args.models or args.precisions or args.micros:
+        ckpts = [False] if args.quick else ckpts
+        pick_cases = [pc for pc in pick_cases if pc[0] in models and pc[1] in precs]
+    if args.picks:
+        pick_cases = [(m, p) for m in models for p in precs]
     grid = [(m, p, c, b) for m in models for p in precs for c in ckpts for b in micros]
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -279,6 +296,14 @@ def main(argv=None) -> int:
             print(f"{m:<16}{p:<6}{str(c):<6}{b:>6}{e.peak_bytes / GiB:>10.2f}{e.allocated_bytes / GiB:>11.2f}  {e.peak_phase}")
         for (m, p), pk in picks.items():
             print(f"pick under {args.cap_gib:g} GiB: {m} {p}: {pk}")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "memory_check.json").write_text(json.dumps({
+            "summary": {"dry_run": True, "image_size": IMAGE, "cap_bytes": cap},
+            "predictions": [{"model": m, "precision": p, "grad_checkpointing": c, "micro_batch": b,
+                             "predicted_peak": e.peak_bytes, "predicted_allocated": e.allocated_bytes}
+                            for (m, p, c, b), e in preds.items()],
+            "picks": [{"model": m, "precision": p, **pk} for (m, p), pk in picks.items()]}, indent=1))
         return 0
 
     # ----------------------------------------------------------------------- GPU

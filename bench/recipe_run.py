@@ -3,6 +3,8 @@
     python bench/recipe_run.py --recipe rtx3060            # GPU; ~1 min on an H200 (whole network)
     python bench/recipe_run.py --recipe rtx3060 --dry-run  # any machine: the command it would run
     python bench/recipe_run.py --recipe rtx3060 --staged   # + train.freeze_epochs=1 over 2 epochs
+    python bench/recipe_run.py --cpu --model test_resnet --image-size 32 --train-samples 64 \
+        --set train.global_batch=16                        # the same steps at a toy size on a CPU
 
 The caching allocator is capped (torch.cuda.set_per_process_memory_fraction) at the recipe's card
 (`hardware.memory_gib`, as the card reports it), so a pick that does not fit a 12 GB RTX 3060 runs
@@ -33,7 +35,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     ap.add_argument("--staged", action="store_true",
                     help="staged fine-tuning: head only for epoch 1, everything for epoch 2 (peaks per phase)")
+    ap.add_argument("--model", help="another backbone (default: the recipe's)")
+    ap.add_argument("--image-size", type=int, help="default: the recipe's")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to vramfit train")
+    ap.add_argument("--cpu", action="store_true",
+                    help="run on a CPU (hardware.allow_cpu, no allocator cap): the steps, not the figures")
     return ap.parse_args(argv)
+
+
+def overrides(args) -> list[str]:
+    """What a run of this bench changes in the recipe besides the data (a toy size, a CPU)."""
+    out = [*(["--model", args.model] if args.model else []),
+           *(["--image-size", str(args.image_size)] if args.image_size else [])]
+    return out + [a for kv in [*args.set, *(["hardware.allow_cpu=true"] if args.cpu else [])] for a in ("--set", kv)]
 
 
 def train_args(recipe: str, samples: int, output: Path, staged: bool = False) -> list[str]:
@@ -116,14 +130,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     runs = Path(tempfile.mkdtemp(prefix="vramfit-recipe-"))
-    argv_train = train_args(args.recipe, args.train_samples, runs, args.staged)
+    argv_train = [*train_args(args.recipe, args.train_samples, runs, args.staged), *overrides(args)]
     if args.dry_run:
         print("vramfit " + " ".join(argv_train))
         return 0
-    if device_name() is None:
+    if not args.cpu and device_name() is None:
         print("recipe_run: needs a CUDA GPU (use --dry-run to see the command)", file=sys.stderr)
         return 2
-    cap = cap_allocator(args.recipe)
+    cap = None if args.cpu else cap_allocator(args.recipe)
     stopped = vramfit([*argv_train, "--set", "debug.signal_at_step=3"])
     code = vramfit(argv_train) if stopped == 143 else stopped  # the same command resumes
     run_dir = runs / args.recipe

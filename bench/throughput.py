@@ -178,7 +178,11 @@ def in_children(args, argv: list[str]) -> list[dict]:
     for precision in args.precision.split(","):
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--precision", precision, "--child"]
         out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
-        results += [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+        done = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+        for r in done:  # as each precision finishes: a run cut short keeps what it measured
+            print(f"  {r['model']} {r['precision']}: plain {r['plain']:.1f}, vramfit {r['vramfit']:.1f} images/s "
+                  f"({r['ratio']:.2f}x)", file=sys.stderr, flush=True)
+        results += done
     return results
 
 
