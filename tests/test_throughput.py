@@ -2,7 +2,6 @@
 ratio and verdict are the arithmetic of the steps it timed (checked against a stand-in clock, so
 that no figure of this machine's speed decides a test)."""
 
-import importlib.util
 import json
 import re
 from types import SimpleNamespace
@@ -10,16 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import bench_module
 
 QUICK = ["--quick", "--steps", "2", "--warmup", "1", "--repeats", "2", "--threads", "1"]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_throughput", REPO / "bench" / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("throughput")
 
 
 def run_bench(bench, argv):
