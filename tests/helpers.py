@@ -156,6 +156,35 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def wait_for_lines(path: Path, lines: int, timeout: float = 120.0) -> None:
+    """Until a run in another process has written `lines` lines into `path` (its metrics.jsonl):
+    the moment a test may signal it mid-run."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= lines):
+        time.sleep(0.05)
+    assert path.exists() and len(path.read_text().splitlines()) >= lines, f"{path}: not {lines} lines in {timeout} s"
+
+
+def bench_module(name: str):
+    """bench/NAME.py, loaded as the module `bench_NAME` (the benches import each other by name, and
+    a dataclass looks its module up in sys.modules)."""
+    import importlib.util
+    import sys
+
+    folder = str(REPO / "bench")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
 def readme_launch() -> list[str]:
     """`launch -q train.py` (the flags before the script) from the README's first command."""
     first = (REPO / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]

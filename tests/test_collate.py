@@ -28,10 +28,16 @@ def test_collate_keeps_values_and_gives_channels_last_strides():
 
 
 def test_normalizer_gives_the_model_its_memory_format():
+    """The NHWC batch normalises to what the plain CHW stack does, in the format the model asked
+    for, and to the values (pixel / 255 - mean) / std written out here, not by the normalizer."""
     items, images = samples()
     batch = D.collate(items, image_size=8)
+    mean = torch.tensor(MEAN_STD["mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(MEAN_STD["std"]).view(1, 3, 1, 1)
+    reference = (torch.stack(images).float() / 255 - mean) / std
     for channels_last in (False, True):
         x = D.normalizer(MEAN_STD, "cpu", channels_last)(batch.images)
         expected = D.normalizer(MEAN_STD, "cpu", channels_last)(torch.stack(images))
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         assert x.is_contiguous(memory_format=fmt) and torch.equal(x, expected)
+        torch.testing.assert_close(x, reference, rtol=0, atol=1e-5)

@@ -8,13 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from helpers import encode
 from vramfit.decode import BACKGROUND_RGB, BadImage, decode_image, describe
-
-
-def encode(img: Image.Image, fmt: str, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, fmt, **kw)
-    return buf.getvalue()
 
 
 def as_item(data: bytes) -> dict:

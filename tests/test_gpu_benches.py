@@ -5,27 +5,14 @@ recipe given one epoch) would first show on a lent device. Here each command as 
 builds it must pass the configuration and stop at the GPU check: the one thing this machine lacks.
 """
 
-import importlib.util
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from helpers import REPO
+from helpers import bench_module as bench
 from vramfit.cli import run
 from vramfit.config import build_config
 from vramfit.errors import VramfitError
-
-
-def bench(name: str):
-    sys.path.insert(0, str(REPO / "bench"))  # the benches import each other by name
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return module
 
 
 def commands(out):

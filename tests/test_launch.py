@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, readme_launch
+from helpers import REPO, readme_launch, wait_for_lines
 
 PROBE = "import torch\nfrom vramfit.launch import set_threads\nprint('THREADS', set_threads(1), torch.get_num_threads())\n"
 
@@ -53,7 +53,6 @@ def test_killing_the_launcher_saves_and_the_rerun_resumes_bitwise(tmp_path, trai
     have read), and the same command then resumes to the weights of a run that was never stopped."""
     import json
     import signal
-    import time
 
     import psutil
     from safetensors.torch import load_file
@@ -68,9 +67,7 @@ def test_killing_the_launcher_saves_and_the_rerun_resumes_bitwise(tmp_path, trai
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--cpu", "--num_processes", "1",
            str(REPO / "train.py"), *args]
     launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    metrics, deadline = tmp_path / "runs" / "k" / "metrics.jsonl", time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
-        time.sleep(0.05)
+    wait_for_lines(tmp_path / "runs" / "k" / "metrics.jsonl", 4)
     trainers = psutil.Process(launcher.pid).children(recursive=True)
     launcher.send_signal(signal.SIGTERM)
     launcher.wait(timeout=60)
@@ -94,7 +91,6 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_rerun_resumes_bitwis
     its SignalException (its own behaviour, out of the workers' reach). The same command resumes
     to the weights of a run that was never stopped."""
     import signal
-    import time
 
     import psutil
     from safetensors.torch import load_file
@@ -113,9 +109,7 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_rerun_resumes_bitwis
     assert ref.returncode == 0, ref.stderr[-2000:]
     launcher = subprocess.Popen(cmd("k"), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
-    metrics, deadline = tmp_path / "runs" / "k" / "metrics.jsonl", time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
-        time.sleep(0.05)
+    wait_for_lines(tmp_path / "runs" / "k" / "metrics.jsonl", 4)
     trainers = psutil.Process(launcher.pid).children(recursive=True)
     launcher.send_signal(signal.SIGTERM)
     said = launcher.communicate(timeout=120)[1]

@@ -157,5 +157,6 @@ def test_resume_continues_at_the_micro_batch_the_run_came_down_to(train_cli):
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["micro_batch"] == 8 and s["oom_retries"] == 2 and s["micro_batch_changes"] == []
     ref, code = train_cli(*base, run_name="ref")
+    assert code == 0
     a, b = _weights(ref), _weights(run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -6,7 +6,6 @@ Hand counts below round every tensor up to the CUDA caching allocator's 512-byte
 import io
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -168,8 +167,10 @@ def test_peak_monotonic_and_knobs_lower_it(name, size):
 
 def test_breakdown_matches_the_real_model_on_cpu():
     """The trace against the real model, by other means: parameters, buffers and AdamW state counted
-    from the real module, and the activations from a real CPU forward whose saved tensors are
-    collected with autograd's saved-tensor hooks (fp32 CPU kernels save what the fake ones do)."""
+    from the real module, and the activations from a real CPU forward of the step the trainer runs
+    (engine.StepMaths, called here, not written again) whose saved tensors are collected with
+    autograd's saved-tensor hooks (fp32 CPU kernels save what the fake ones do)."""
+    from vramfit.engine import step_maths
     from vramfit.models import create_model
 
     B, S = 8, 64
@@ -189,15 +190,25 @@ def test_breakdown_matches_the_real_model_on_cpu():
             saved[st.data_ptr()] = st.nbytes()
         return t
 
+    kept = {}
+
+    def forward(images):
+        kept["logits"] = model(images)
+        return kept["logits"]
+
+    def backward(scaled):  # what the step hands to backward: the loss over the step's samples
+        kept["scaled"] = scaled
+
     x, y = torch.randn(B, 3, S, S), torch.randint(0, 100, (B,))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(x).float()
-        loss = nn.functional.cross_entropy(logits, y, reduction="sum", label_smoothing=0.1)
+        loss, _ = step_maths(cfg.train).micro_batch(forward, backward, x, y, B)
     saved.pop(x.untyped_storage().data_ptr())  # the input batch and labels are the INPUT line
     saved.pop(y.untyped_storage().data_ptr())
     # Alive at the end of the forward: what autograd saved, + the logits, the loss and the loss over
-    # the step's samples (engine.StepMaths hands that to backward).
-    real = sum(r(n) for n in saved.values()) + r(logits.nbytes) + r(loss.nbytes) + r((loss / B).nbytes)
+    # the step's samples (each storage once: autograd may save one of them too).
+    for t in (kept["logits"], loss, kept["scaled"]):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    real = sum(r(n) for n in saved.values())
     assert P.get_profile(cfg, 100, "no").live_at_end_of_forward(B)[P.ACT] == real
 
 
@@ -433,19 +444,9 @@ def test_every_gpu_recipe_is_predicted_to_fit_its_card(recipe, monkeypatch):
 
 
 def _published_bench():
-    import importlib.util
-    import sys
+    from helpers import bench_module
 
-    bench_dir = Path(__file__).parents[1] / "bench"
-    sys.path.insert(0, str(bench_dir))
-    try:
-        spec = importlib.util.spec_from_file_location("published", bench_dir / "published.py")
-        bench = importlib.util.module_from_spec(spec)
-        sys.modules["published"] = bench  # its dataclasses look their module up
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(bench_dir))
-    return bench
+    return bench_module("published")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import tiny_args
+from helpers import tiny_args, wait_for_lines
 from vramfit import checkpoint
 
 
@@ -40,9 +40,10 @@ def reference(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("ref")
     try:
-        run(["train", *ARGS, "--output", str(out), "--run-name", "ref"])
+        code = run(["train", *ARGS, "--output", str(out), "--run-name", "ref"])
     except SystemExit as e:
-        assert e.code == 0
+        code = e.code
+    assert code == 0
     from vramfit.launch import forget
 
     forget()
@@ -151,10 +152,7 @@ def test_real_sigterm_with_workers_saves_and_resumes_exactly(tmp_path, train_cli
     cmd = [sys.executable, "-m", "vramfit.cli"]
     proc = subprocess.Popen(cmd + args + ["--run-name", "sig"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "sig" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        time.sleep(0.05)
+    wait_for_lines(tmp_path / "sig" / "metrics.jsonl", 5)
     os.kill(proc.pid, signal.SIGTERM)  # mid-epoch (15 steps per epoch)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
