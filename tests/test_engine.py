@@ -7,10 +7,13 @@ from accelerate import Accelerator
 
 from helpers import HostReads
 
+from vramfit import batching
 from vramfit.config import ModelConfig, OptimConfig
 from vramfit.engine import MicroBatchExhausted, TrainStep
 from vramfit.models import create_model
 from vramfit.optim import create_optimizer
+from vramfit.resume import ResumePoint, resumed_micro_batch
+from vramfit.state import TrainerState
 
 
 def _setup(opt="adamw", seed=0):
@@ -75,6 +78,24 @@ def test_oom_recovery_keeps_the_maths():
     assert [h["to"] for h in state.history] == [16, 8]
     assert _max_diff(ref, got) <= 1e-6
     assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+def test_an_oom_lowers_the_one_micro_batch_the_step_the_checkpoint_and_the_plans_read():
+    """The micro-batch in effect is one object: lowered once by the retry, the step splits by it,
+    the checkpoint saves it, a resume starts under it, and the next plan (a larger image size) or a
+    resumed fit's choice stays under it; a new phase's plan starts afresh."""
+    model, ocfg = _setup("sgd")
+    in_effect = batching.MicroBatch(32, 32, "configured").in_effect()
+    state = TrainerState(in_effect=in_effect, world_size=1)
+    _, _, step_state = _train(model, ocfg, _data(1, 32), micro=in_effect, oom_above=8)
+    assert step_state is in_effect and in_effect.micro_batch == 8
+    saved = state.state_dict()
+    assert (saved["micro_batch"], saved["oom_retries"]) == (8, 2) and "in_effect" not in saved
+    point = ResumePoint(None, TrainerState.from_saved(saved, "step-1"))
+    resumed = batching.resolve_micro_batch(32, 32, resumed=resumed_micro_batch(point, 1, False)).in_effect(2)
+    assert (resumed.micro_batch, resumed.capped(32), resumed.oom_retries) == (8, 8, 2)
+    assert in_effect.enter(16, fresh=False) == 8 and in_effect.capped(32) == 8 and saved == state.state_dict()
+    assert in_effect.enter(16, fresh=True) == 16 and in_effect.capped(32) == 32
 
 
 def test_oom_at_micro_batch_one_is_an_error():
@@ -296,3 +317,28 @@ def test_running_statistics_move_per_step_however_the_step_is_split(per_step):
         step.state.micro_batch = 32
         step(images, labels, 32)
         assert bn.momentum == 0.1
+
+
+def test_evaluation_reports_the_loss_of_the_step_maths_unsmoothed():
+    """One definition of the loss of a batch (engine.StepMaths.loss): evaluation reports it without
+    label smoothing, lr-find's criterion is its mean, and a loss changed there changes both."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from vramfit.engine import cross_entropy_sum, step_maths
+    from vramfit.validation import EvalState, evaluate
+
+    model, _ = _setup()
+    x, y = _data(1, 12)[0]
+    loader = [SimpleNamespace(images=x, labels=y, indices=torch.arange(12), bad=[])]
+    maths = step_maths(SimpleNamespace(label_smoothing=0.1, clip_grad_norm=None))
+
+    def loss_of(m):
+        return evaluate(Accelerator(cpu=True), model, loader, 5, lambda t: t, EvalState(4), maths=m).loss
+
+    with torch.no_grad():
+        expected = float(cross_entropy_sum(model(x), y, 0.0)) / 12
+        assert float(maths.mean_loss(model(x), y)) == pytest.approx(float(cross_entropy_sum(model(x), y, 0.1)) / 12)
+    assert loss_of(maths) == pytest.approx(expected, rel=1e-6)
+    doubled = replace(maths, loss_fn=lambda logits, t, s: 2 * cross_entropy_sum(logits, t, s))
+    assert loss_of(doubled) == pytest.approx(2 * expected, rel=1e-6)

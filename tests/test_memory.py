@@ -160,3 +160,15 @@ def test_resume_continues_at_the_micro_batch_the_run_came_down_to(train_cli):
     assert code == 0
     a, b = _weights(ref), _weights(run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_without_a_card_the_budget_is_the_recipes_card_by_the_same_rule():
+    """memory.card_budget_bytes is every run's budget: on a CPU launch it is the recipe's card less
+    the margin, taken where `vramfit plan` takes it (planner.budget_bytes_for)."""
+    from vramfit.config import Config
+    from vramfit.memory import card_budget_bytes
+    from vramfit.planner import budget_bytes_for, reported_total_bytes
+
+    cfg = Config.model_validate({"hardware": {"memory_gib": 12, "safety_margin": 0.1}})
+    assert card_budget_bytes(cfg, torch.device("cpu")) == budget_bytes_for(cfg) == int(reported_total_bytes(12) * 0.9)
+    assert card_budget_bytes(Config(), None) is None

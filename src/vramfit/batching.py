@@ -2,7 +2,9 @@
 split into micro-batches, how many steps an epoch has, and which micro-batch a run uses.
 
 `vramfit train`, `vramfit plan` and `micro_batch: auto` all call `resolve_micro_batch` and
-`grad_accum_steps`; nothing else derives them.
+`grad_accum_steps`; nothing else derives them. The micro-batch a run executes with at any moment is
+one `InEffect` object: the step splits by it, the fit measures from it, the out-of-memory retry
+lowers it and the checkpoint saves it; nothing holds a copy to reconcile.
 
 The rules (docs/distributed.md):
 - The recipe fixes the global batch. Each process takes a near-equal share of it; the order of the
@@ -18,7 +20,7 @@ The rules (docs/distributed.md):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import VramfitError
@@ -99,6 +101,45 @@ def smaller_micro_batch(micro_batch: int) -> int:
     return max(1, micro_batch // 2)
 
 
+@dataclass
+class InEffect:
+    """The micro-batch a run executes with now: the one object the step splits by (engine.TrainStep),
+    the fit measures from and sets (fit.apply), the loop moves from plan to plan (`enter`) and the
+    checkpoint saves (trainer_state.json `micro_batch`, `oom_retries`: state.TrainerState)."""
+
+    micro_batch: int  # the largest forward of one process
+    oom_retries: int = 0  # over the whole run (a resume continues the count)
+    # What an out-of-memory retry lowered it to since the plan last changed what trains (a resumed
+    # run starts with its checkpoint's), None where none did: `capped` keeps every later pick under it.
+    lowered: int | None = None
+    history: list = field(default_factory=list)  # each change: {"from", "to", "why"}
+
+    def capped(self, micro_batch: int) -> int:
+        """The rule that a micro-batch never runs above one an out-of-memory retry lowered, written
+        here only: the loop's next size, a resumed fit's choice and a resumed plan all go through it."""
+        return micro_batch if self.lowered is None else min(micro_batch, self.lowered)
+
+    def lower(self, why: str, smallest: int) -> bool:
+        """After running out of memory: the next smaller micro-batch, never below `smallest`
+        (models.min_micro_batch). False where it already is the smallest (nothing left to try)."""
+        if self.micro_batch <= smallest:
+            return False
+        new = max(smallest, smaller_micro_batch(self.micro_batch))
+        self.history.append({"from": self.micro_batch, "to": new, "why": why})
+        self.micro_batch = self.lowered = new
+        self.oom_retries += 1
+        return True
+
+    def enter(self, planned: int, fresh: bool) -> int:
+        """Another plan takes over (a phase, a fit segment or an image size begins): its micro-batch
+        `planned`, as it is where the plan changed what trains or how it is chosen (`fresh`: a new
+        phase, a new fit's choice, the launch's first step), else under what a retry lowered."""
+        if fresh:
+            self.lowered = None
+        self.micro_batch = planned if fresh else self.capped(planned)
+        return self.micro_batch
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """The micro-batch a run (or a plan) uses, and why."""
@@ -107,6 +148,15 @@ class MicroBatch:
     per_process_batch: int
     source: str  # configured | whole share | auto ... | resumed
     note: str | None = None  # said at start when the request was changed
+
+    @property
+    def lowered_by_oom(self) -> bool:
+        """Whether it is where an interrupted run had come down to after out-of-memory errors."""
+        return self.source == "resumed"
+
+    def in_effect(self, oom_retries: int = 0) -> InEffect:
+        """The run's micro-batch in effect, starting at this one (under it, if a retry had lowered it)."""
+        return InEffect(self.size, oom_retries, lowered=self.size if self.lowered_by_oom else None)
 
     @property
     def grad_accum_steps(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -19,14 +19,6 @@ from . import batching
 from .collectives import GradReducer, ProcessFailed, Status, StepVote, world_size
 from .errors import VramfitError
 from .freezing import StatisticsHorizon
-
-
-@dataclass
-class StepState:
-    micro_batch: int  # the largest forward of this run (shrinks on OOM, never grows)
-    oom_retries: int = 0
-    history: list = field(default_factory=list)
-    thrash_warned: bool = False
 
 
 @dataclass
@@ -88,11 +80,26 @@ class StepMaths:
     clip_grad_norm: float | None = None
     loss_fn: Callable = cross_entropy_sum
 
+    def loss(self, logits, labels):
+        """The loss of a batch, summed over its samples: the one definition the step trains on,
+        the planner traces, lr-find sweeps with (`mean_loss`) and, unsmoothed, evaluation reports
+        (`evaluated`)."""
+        return self.loss_fn(logits, labels, self.label_smoothing)
+
+    def mean_loss(self, logits, labels):
+        """The loss of a batch averaged over its samples (a criterion as torch-lr-finder takes one)."""
+        return self.loss(logits, labels) / labels.shape[0]
+
+    def evaluated(self) -> "StepMaths":
+        """The same loss as validation reports it: without label smoothing (what is measured is how
+        well the model predicts the labels, not the training target)."""
+        return replace(self, label_smoothing=0.0)
+
     def micro_batch(self, forward: Callable, backward: Callable, images, labels, step_samples: int,
                     fsdp_world: int = 0):
         """One micro-batch; returns (its loss sum, its correct predictions), left on the device."""
         logits = forward(images)
-        loss = self.loss_fn(logits, labels, self.label_smoothing)
+        loss = self.loss(logits, labels)
         # FSDP averages gradients over processes; scaling by the process count turns that average
         # back into the sum over the global batch that the reducer path computes.
         backward(loss * (fsdp_world / step_samples) if fsdp_world else loss / step_samples)
@@ -155,7 +162,7 @@ class TrainStep:
     process with a smaller micro-batch from the same starting point.
     """
 
-    def __init__(self, accelerator, model, optimizer, micro_batch: int, *, label_smoothing: float = 0.0,
+    def __init__(self, accelerator, model, optimizer, micro_batch: int | batching.InEffect, *, label_smoothing: float = 0.0,
                  clip_grad_norm: float | None = None, check_grad_norm: bool = True, oom_retries: int = 0,
                  recomputes: bool = False, maths: StepMaths | None = None, min_micro_batch: int = 1,
                  bn_momentum_per_step: bool = False):
@@ -167,7 +174,10 @@ class TrainStep:
         # micro-batches early (a stop request waits for the step's end) nor retry them alone.
         self.collective_forward = any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
         self.vote = StepVote(self.device)
-        self.state = StepState(micro_batch=micro_batch, oom_retries=oom_retries)
+        # The run's micro-batch in effect (setup shares it with the trainer state), or one of its own.
+        self.state = micro_batch if isinstance(micro_batch, batching.InEffect) else \
+            batching.InEffect(micro_batch, oom_retries)
+        self.thrash_warned = False
         self.maths = maths or StepMaths(label_smoothing=label_smoothing, clip_grad_norm=clip_grad_norm)
         self.check_grad_norm = check_grad_norm
         self.min_micro_batch = min_micro_batch  # models.min_micro_batch: the OOM retry stops there
@@ -181,11 +191,11 @@ class TrainStep:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.reducer = GradReducer(self.params) if not self.fsdp else None
 
-    def retarget(self, micro_batch: int, min_micro_batch: int) -> None:
-        """Another phase of the run (phases.enter changed what trains): its parameters, its
-        micro-batch and the floor of its out-of-memory retry."""
+    def retarget(self, min_micro_batch: int) -> None:
+        """Another phase of the run (phases.enter changed what trains): its parameters and the
+        floor of its out-of-memory retry (its micro-batch: `self.state.enter`)."""
         self._collect_params()
-        self.state.micro_batch, self.min_micro_batch = micro_batch, min_micro_batch
+        self.min_micro_batch = min_micro_batch
 
     def __call__(self, images, labels, step_samples: int, *, stop_requested: Callable[[], int] | None = None,
                  bad_files: int = 0, loss_fn: Callable | None = None) -> StepResult:
@@ -312,22 +322,18 @@ class TrainStep:
                           signum=verdict.signum)
 
     def _shrink(self, why: str) -> None:
-        if self.state.micro_batch <= self.min_micro_batch:
+        if not self.state.lower(why, self.min_micro_batch):
             raise MicroBatchExhausted(why)
-        new = max(self.min_micro_batch, batching.smaller_micro_batch(self.state.micro_batch))
-        self.state.history.append({"from": self.state.micro_batch, "to": new, "why": why})
-        self.state.micro_batch = new
-        self.state.oom_retries += 1
 
     def _after_thrash(self) -> None:
         """The allocator had to free cached blocks to fit: split smaller next time. At the smallest
         micro-batch there is nothing smaller; the step did finish, so it is a warning, never an error."""
         if self.state.micro_batch > self.min_micro_batch:
             self._shrink("allocator thrashing")
-        elif not self.state.thrash_warned:
+        elif not self.thrash_warned:
             import logging
 
-            self.state.thrash_warned = True
+            self.thrash_warned = True
             logging.getLogger("vramfit").warning(
                 "memory: the allocator had to free its cache to fit the smallest micro-batch (steps are slower); "
                 "a lighter --model, --precision bf16 or --grad-checkpointing would leave more room")

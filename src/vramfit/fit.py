@@ -235,8 +235,8 @@ def resumed(run, start: int) -> FitResult | None:
     except (TypeError, KeyError):
         return None
     own = result.of(run.plan.phase, start)
-    if own is not None and run.plan.micro.source == "resumed":  # an out-of-memory retry had come down further
-        own.chosen = replace(own.chosen, micro_batch=min(own.chosen.micro_batch, run.plan.micro.size))
+    if own is not None:  # where an out-of-memory retry had come down further
+        own.chosen = replace(own.chosen, micro_batch=run.step.state.capped(own.chosen.micro_batch))
     return result
 
 
@@ -565,10 +565,9 @@ def apply(run, s: Settings) -> None:
     if hasattr(module, "set_grad_checkpointing"):
         module.set_grad_checkpointing(s.grad_checkpointing)
     run.step.recomputes = s.grad_checkpointing and any(True for _ in module.buffers())
-    run.step.state.micro_batch = s.micro_batch
+    run.step.state.micro_batch = s.micro_batch  # the run's micro-batch in effect (the checkpoint's too)
     run.loaders.normalize = normalizer(run.data_cfg, run.launch.acc.device, s.channels_last)
     run.cfg = _config(run, s, planned=False)  # config.yaml records what runs; micro_batch stays as written
-    run.state.micro_batch = s.micro_batch
 
 
 # ---------------------------------------------------------------------------------- the cache

@@ -137,11 +137,11 @@ class Trainer:
             fitted = refit(self.run, phase, self.run.fit, size, stop=lambda: self.flag.signum)
             self.segment = segment
         plan = self.run.phase_plan(phase, size)
-        first = self.size is None
-        fresh = first or new_phase or fitted is not None  # else a growing size keeps a lowered micro-batch
-        micro = plan.micro.size if fresh else min(plan.micro.size, self.step.state.micro_batch)
-        said = not first and (new_phase or micro != self.step.state.micro_batch or self.run.sizes.on)
-        self.step.retarget(micro, plan.min_micro_batch)
+        first, before = self.size is None, self.step.state.micro_batch
+        # else a growing size keeps a micro-batch an out-of-memory retry lowered (batching.InEffect)
+        micro = self.step.state.enter(plan.micro.size, fresh=first or new_phase or fitted is not None)
+        said = not first and (new_phase or micro != before or self.run.sizes.on)
+        self.step.retarget(plan.min_micro_batch)
         self.progress.planned = plan.predicted_peak_bytes
         self.phase, self.size = phase, size
         if said and self.L.main:
@@ -280,7 +280,7 @@ class Trainer:
             res = evaluate(self.L.acc, eval_model, self.loaders.val, len(self.splits.class_names),
                            self.loaders.normalize, self.run.eval_state,
                            stop_requested=self.faults.in_eval(self.flag, epoch + 1),
-                           keep_logits=self.runlog.use_trackers)
+                           keep_logits=self.runlog.use_trackers, maths=self.step.maths)
         except StepInterrupted as e:
             # The epoch's steps are done and saved as such: a resume goes straight to evaluation.
             return self.stop(e.signum, f"during the evaluation of epoch {epoch + 1}: saving the trained state")
@@ -333,7 +333,6 @@ class Trainer:
         run continues exactly where every process was, and saving changes nothing in the run."""
         st = self.state
         self.clock.record(st)
-        st.micro_batch, st.oom_retries = self.step.state.micro_batch, self.step.state.oom_retries
         st.phase = self.phase.name
         keep = (st.best_step,) if st.best_step is not None else ()
         extra = {"ema": self.ema.module.state_dict()} if self.ema is not None else {}

@@ -130,8 +130,9 @@ def lr_find(cfg: Config, num_iter: int = 100, start_lr: float = 1e-7, end_lr: fl
     optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
     for group in optimizer.param_groups:  # the run's LR schedule is not stepped here: the sweep sets the LR
         group.pop("initial_lr", None)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, ignore_index=-1)
-    finder = LRFinder(run.model, optimizer, criterion, device=run.launch.acc.device,
+    # The run's own loss (engine.StepMaths), averaged over each micro-batch: the finder divides it
+    # by the accumulation steps itself.
+    finder = LRFinder(run.model, optimizer, run.step.maths.mean_loss, device=run.launch.acc.device,
                       **amp_settings(run.launch.precision))
     # The library prints its own lines ("See the graph with {finder_name}.plot()"); what it found is
     # said below, in vramfit's words.

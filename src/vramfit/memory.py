@@ -98,9 +98,13 @@ def _bracket(m: int, per_proc: int, fits: Callable[[int], bool]) -> tuple[int, i
 
 
 def cuda_probe(model, optimizer_state_bytes: int, image_size: int, num_classes: int, channels_last: bool,
-               device) -> Callable[[int], int | None]:
-    """One forward+backward at micro-batch m on random data; the model's weights, BatchNorm statistics
-    and the global random streams are left exactly as they were."""
+               device, maths=None) -> Callable[[int], int | None]:
+    """One forward+backward at micro-batch m on random data, as the run's step makes it (`maths`:
+    engine.StepMaths, its loss); the model's weights, BatchNorm statistics and the global random
+    streams are left exactly as they were."""
+    from .engine import StepMaths
+
+    maths = maths or StepMaths()
 
     def probe(m: int) -> int | None:
         buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_floating_point()
@@ -112,8 +116,7 @@ def cuda_probe(model, optimizer_state_bytes: int, image_size: int, num_classes: 
                 torch.cuda.reset_peak_memory_stats(device)
                 x = torch.randn(m, 3, image_size, image_size, device=device).contiguous(memory_format=fmt)
                 y = torch.randint(0, num_classes, (m,), device=device)
-                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-                loss.backward()
+                maths.micro_batch(model, torch.Tensor.backward, x, y, m)
                 peak = torch.cuda.max_memory_reserved(device)
             return peak + optimizer_state_bytes
         except torch.OutOfMemoryError:
@@ -152,19 +155,23 @@ def allocator_cap_bytes(device, total: int) -> int:
     return int(total * min(1.0, max(0.0, fraction)))
 
 
-def card_budget_bytes(cfg: Config, device, *, warn: bool = False) -> int:
-    """What one training step may use on `device`, the one budget every pick on a GPU is made
+def card_budget_bytes(cfg: Config, device, *, warn: bool = False) -> int | None:
+    """What one training step may use on `device`, the one budget every pick of a run is made
     against (the start's micro-batch, each progressive size's, the fit's candidates, the notes):
     the least of the card's total, the recipe's card (`hardware.memory_gib`: a 12 GB recipe plans
     for 12 GB on a larger card too), the allocator's cap, and what other processes leave, less
-    `hardware.safety_margin`. `warn`: say when other processes hold part of the card."""
-    from .planner import reported_total_bytes
+    `hardware.safety_margin` (the planner's arithmetic, planner.budget_bytes_for, which `vramfit
+    plan` uses for a card it is not running on). Without a CUDA device: the recipe's card (None
+    where it names none). `warn`: say when other processes hold part of the card."""
+    from .planner import budget_bytes_for, reported_total_bytes
 
+    if device is None or torch.device(device).type != "cuda":
+        return budget_bytes_for(cfg)
     total = torch.cuda.get_device_properties(device).total_memory
     limits = [total, allocator_cap_bytes(device, total), usable_bytes(device, warn=warn)]
     if cfg.hardware.memory_gib:
         limits.append(reported_total_bytes(cfg.hardware.memory_gib))
-    return int(min(limits) * (1 - cfg.hardware.safety_margin))
+    return budget_bytes_for(cfg, total_bytes=min(limits))
 
 
 def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, device=None) -> dict:
@@ -185,7 +192,10 @@ def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, d
         return plan
     opt_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * (
         8 if cfg.optim.name == "adamw" else 4)
-    probe = cuda_probe(model, opt_bytes, cfg.data.image_size, num_classes, cfg.model.channels_last, device)
+    from .engine import step_maths
+
+    probe = cuda_probe(model, opt_bytes, cfg.data.image_size, num_classes, cfg.model.channels_last, device,
+                       step_maths(cfg.train))
     try:
         micro, trace = search(per_proc, pick or 1, budget, probe)
     except RuntimeError:

@@ -191,9 +191,9 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
     seconds = cpu_seconds_per_sample(cfg, L, model, plan.micro)
     model = compile_model(cfg, L, model)
     state = restore_state(cfg, L, start, plan.micro, class_names, model, scheduler, ema)
-    step = TrainStep(L.acc, model, optimizer, plan.micro.size, maths=step_maths(cfg.train),
-                     check_grad_norm=not L.precision.scales_loss, oom_retries=state.oom_retries,
-                     recomputes=cfg.model.grad_checkpointing, min_micro_batch=plan.min_micro_batch,
+    step = TrainStep(L.acc, model, optimizer, state.in_effect, maths=step_maths(cfg.train),
+                     check_grad_norm=not L.precision.scales_loss, recomputes=cfg.model.grad_checkpointing,
+                     min_micro_batch=plan.min_micro_batch,
                      bn_momentum_per_step=cfg.model.bn_momentum_per == "step")
     notes = training_notes(cfg, L, len(class_names), optimizer, plans)
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
@@ -233,9 +233,8 @@ def training_notes(cfg: Config, L: Launch, num_classes: int, optimizer, plans: l
     last = plans[-1]
     if cfg.model.bn != "freeze" and last.min_micro_batch > 1:  # BatchNorm normalises by the batch
         from .memory import card_budget_bytes
-        from .planner import budget_bytes_for
 
-        budget = card_budget_bytes(cfg, L.acc.device) if L.device_type == "cuda" else budget_bytes_for(cfg)
+        budget = card_budget_bytes(cfg, L.acc.device)
         note = small_batch_norm_note(cfg, num_classes, last.micro.size, last.micro.per_process_batch, L.world,
                                      sync=cfg.model.bn == "sync" and L.world > 1 and L.device_type == "cuda",
                                      precision=L.precision.accelerate, budget_bytes=budget)
@@ -547,7 +546,7 @@ def restore_state(cfg: Config, L: Launch, start: Start, micro: batching.MicroBat
     from .tracking import wandb_run_id
 
     point = start.point
-    state = TrainerState(micro_batch=micro.size, class_names=class_names, world_size=L.world,
+    state = TrainerState(in_effect=micro.in_effect(), class_names=class_names, world_size=L.world,
                          global_batch=cfg.train.global_batch, identity=start.identity.maths,
                          execution=start.identity.execution,
                          wandb_run_id=wandb_run_id(point.state.wandb_run_id if point else None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from .batching import InEffect
 from .errors import VramfitError
 
 # Where the data position is: a checkpoint without them cannot be resumed.
@@ -21,12 +22,13 @@ class TrainerState:
     best_accuracy: float | None = None
     best_step: int | None = None
     final_accuracy: float | None = None
-    oom_retries: int = 0
     skipped_samples: int = 0
     epoch_skipped_samples: int = 0
     bad_files: dict[str, int] = field(default_factory=dict)
     skipped_steps: int = 0  # fp16 GradScaler skipped the update
-    micro_batch: int = 0  # where the run was at the checkpoint (after any out-of-memory reductions)
+    # The run's micro-batch in effect (the step's own object): saved as `micro_batch` (where the run
+    # was at the checkpoint, after any out-of-memory reductions) and `oom_retries`.
+    in_effect: InEffect = field(default_factory=lambda: InEffect(0))
     phase: str = "all"  # the phase that micro-batch belongs to (phases.Phase.name)
     class_names: list[str] = field(default_factory=list)
     world_size: int | None = None  # the processes that wrote it (None: a checkpoint that did not say)
@@ -43,11 +45,17 @@ class TrainerState:
     wall_seconds: float = 0.0
     fit: dict = field(default_factory=dict)  # train.fit's choice (fit.FitResult.as_dict): a resume keeps it
 
-    # What resume must not take from the checkpoint: it belongs to the new launch.
-    LAUNCH_FIELDS = ("micro_batch", "phase", "world_size", "identity", "execution")
+    # What resume must not take from the checkpoint: it belongs to the new launch (of the micro-batch
+    # in effect, only the run's count of out-of-memory retries carries over).
+    LAUNCH_FIELDS = ("in_effect", "phase", "world_size", "identity", "execution")
+
+    micro_batch = property(lambda self: self.in_effect.micro_batch)
+    oom_retries = property(lambda self: self.in_effect.oom_retries)
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["in_effect"]
+        return {**out, "micro_batch": self.micro_batch, "oom_retries": self.oom_retries}
 
     @classmethod
     def from_saved(cls, saved: dict, where: str) -> "TrainerState":
@@ -58,7 +66,7 @@ class TrainerState:
             if not isinstance(saved.get(key), int) or isinstance(saved.get(key), bool):
                 raise VramfitError(f"Checkpoint {where} has no valid `{key}`: the data position cannot be "
                                    "restored.", hint="resume from another checkpoint (--resume PATH)")
-        state = cls()
+        state = cls(in_effect=InEffect(saved.get("micro_batch", 0), saved.get("oom_retries", 0)))
         for f in fields(cls):
             if f.name in saved:
                 setattr(state, f.name, saved[f.name])
@@ -69,6 +77,7 @@ class TrainerState:
         for f in fields(self):
             if f.name not in self.LAUNCH_FIELDS:
                 setattr(self, f.name, getattr(saved, f.name))
+        self.in_effect.oom_retries = saved.oom_retries
 
     def count_bad_files(self, names: list[str]) -> None:
         for name in names:

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from . import batching
 from .collectives import Status, StepVote, world_size
-from .engine import StepInterrupted, is_oom
+from .engine import StepInterrupted, StepMaths, is_oom
 from .freezing import batch_statistics_norms
 from .metrics import ClassificationMetrics
 
@@ -35,20 +34,23 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(accelerator, model, loader, num_classes: int, normalize, state: EvalState,
-             stop_requested=None, keep_logits: bool = False) -> EvalResult:
+             stop_requested=None, keep_logits: bool = False, maths: StepMaths | None = None) -> EvalResult:
     """`gather_for_metrics` drops the samples the sharded loader repeats to even out the last batch.
     Each batch is agreed between processes (one small collective): an OOM on any process retries
     the batch on every process with a smaller micro-batch (so every process runs the same forwards,
     which FSDP needs), and a stop signal raises StepInterrupted on all of them: evaluation changes
-    nothing, so the caller saves the trained state at once and a resumed run evaluates again."""
+    nothing, so the caller saves the trained state at once and a resumed run evaluates again.
+    `maths`: the step the run trains with (engine.step_maths), whose loss is reported unsmoothed."""
     model.eval()
     try:
-        return _evaluate(accelerator, model, loader, num_classes, normalize, state, stop_requested, keep_logits)
+        return _evaluate(accelerator, model, loader, num_classes, normalize, state, stop_requested, keep_logits,
+                         (maths or StepMaths()).evaluated())
     finally:
         model.train()
 
 
-def _evaluate(acc, model, loader, num_classes, normalize, state, stop_requested, keep_logits) -> EvalResult:
+def _evaluate(acc, model, loader, num_classes, normalize, state, stop_requested, keep_logits,
+              maths: StepMaths) -> EvalResult:
     metrics = ClassificationMetrics(num_classes)
     vote = StepVote(acc.device) if world_size() > 1 else None
     bad, loss_sum, kept = [], 0.0, {"p": [], "y": [], "l": [], "i": []}
@@ -60,7 +62,7 @@ def _evaluate(acc, model, loader, num_classes, normalize, state, stop_requested,
         if valid.any():
             lv, yv = logits[valid], y[valid]
             metrics.add(lv, yv)
-            loss_sum += float(F.cross_entropy(lv, yv, reduction="sum"))
+            loss_sum += float(maths.loss(lv, yv))
             kept["p"].append(lv.argmax(1).cpu())
             kept["y"].append(yv.cpu())
             if keep_logits:
