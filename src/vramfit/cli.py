@@ -434,7 +434,9 @@ def _prints_here(e: VramfitError) -> bool:
 
 
 def _print_error(e: VramfitError) -> None:
-    msg = textwrap.fill(e.message, width=100, replace_whitespace=False) if "\n" not in e.message else e.message
+    # Paths and names are never split (at a hyphen or mid-word): they are copied from here.
+    msg = e.message if "\n" in e.message else textwrap.fill(
+        e.message, width=100, replace_whitespace=False, break_on_hyphens=False, break_long_words=False)
     print(f"\nvramfit: error: {msg}", file=sys.stderr)
     if e.hint:
         print(f"HINT: {e.hint}", file=sys.stderr)
