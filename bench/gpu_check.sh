@@ -17,7 +17,7 @@
 # 224 px head-only, then whole, each phase's measured peak against its own plan);
 # fit_sweep_resnet50.txt / fit_sweep_efficientnet_b0.txt (train.fit: fastest's pick and probe cost
 # beside every candidate trained directly, capped at 12 GiB; ResNet50's in bf16 and fp16 each, the
-# chooser under train.precision: auto);
+# chooser under train.precision: auto, which runs bf16: the sweep says what that rule costs);
 # progressive_resnet50.txt / progressive_efficientnet_b0.txt (fixed 224 px against progressive
 # resizing over three seeds, the same cap: accuracy and wall).
 # Runs from a checkout without installing it (PYTHONPATH=src); uses .venv when there is one.

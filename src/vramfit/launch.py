@@ -97,7 +97,7 @@ def _join_elastic_round(device_type: str) -> None:
 def start(cfg, run_dir: Path | None = None, precision: Precision | None = None) -> Launch:
     """The process's Accelerator, in `precision` (default: what `precision.here(cfg)` resolves);
     with the run's trackers when `run_dir` is given (TensorBoard writes into it), none without
-    (lr-find, benches). Once more after `forget()` (a relaunch in another precision) it makes a new
+    (lr-find, benches). Once more after `forget()` (another run in the same process) it makes a new
     Accelerator on the process group it has."""
     # Must be set before CUDA initialises; expandable segments cut fragmentation-driven OOMs.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
