@@ -375,6 +375,9 @@ def _data_config(ns):
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .openmp import shorten_spin
+
+    shorten_spin()  # the process's entry, before anything imports torch (openmp.py)
     argv = sys.argv[1:] if argv is None else argv
     for stream in (sys.stdout, sys.stderr):  # a class named in any script prints under LC_ALL=C too
         if hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):

@@ -130,7 +130,7 @@ def start(cfg, run_dir: Path | None = None, precision: Precision | None = None) 
     notes = [f"precision: {precision.note}"] if precision.note else []
     notes.append(set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if device_type == "cpu":  # on a GPU the CPU's OpenMP barely runs: no word for it
-        notes.append(openmp.WAIT)
+        notes.append(openmp.in_effect())
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
         # TF32 matmuls on Ampere and newer (as timm and NVIDIA's references train); convolutions
