@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .signals import under_launcher
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -55,8 +57,7 @@ def _launcher_set_threads() -> bool:
     """True when OMP_NUM_THREADS came from a launcher (`accelerate launch` and `torchrun` set it to
     1 when the user did not), not from the user: the launcher's own starting environment, which is
     the user's, does not hold it."""
-    if "OMP_NUM_THREADS" not in os.environ or "LOCAL_RANK" not in os.environ and \
-            not any(k.startswith("ACCELERATE_") for k in os.environ):
+    if "OMP_NUM_THREADS" not in os.environ or not under_launcher():
         return False
     try:
         with open(f"/proc/{os.getppid()}/environ", "rb") as f:
