@@ -394,16 +394,6 @@ def _config(run, s: Settings, planned: bool = True):
     return cfg.model_copy(update=update)
 
 
-def compiled(model, on: bool) -> None:
-    """Compile `model` in place (nn.Module.compile, as setup.compile_model does) or undo it.
-    nn.Module.compile keeps the compiled callable in `_compiled_call_impl` and offers no undo;
-    clearing it makes the module call its own forward again."""
-    if on and getattr(model, "_compiled_call_impl", None) is None:
-        model.compile()
-    elif not on and getattr(model, "_compiled_call_impl", None) is not None:
-        model._compiled_call_impl = None
-
-
 def predicted_peak(run, s: Settings) -> int | None:
     """The planner's peak for `s` on a GPU (a trace per layout: seconds for a large model). On a
     CPU nothing is fitted against, so only the plan the run already has is given."""
@@ -478,11 +468,12 @@ def apply(run, s: Settings) -> None:
     """Make the run execute with `s`: the model's memory format and checkpointing, the step's
     micro-batch, the normaliser's layout, and the config and plan that record them."""
     from .data.loader import normalizer
+    from .models import compile_in_place
 
     module = run.launch.acc.unwrap_model(run.model)
     fmt = torch.channels_last if s.channels_last else torch.contiguous_format
     module.to(memory_format=fmt)
-    compiled(run.model, s.compile)
+    compile_in_place(run.model, s.compile)
     if hasattr(module, "set_grad_checkpointing"):
         module.set_grad_checkpointing(s.grad_checkpointing)
     run.step.recomputes = s.grad_checkpointing and any(True for _ in module.buffers())
