@@ -6,8 +6,9 @@ steps, beside the chooser's pick and what its probe cost.
    same epochs with its settings given directly (`train.fit: largest`), in three interleaved
    rounds; its images/s is the median of summary.json's (training time, data waits included).
 2. The chooser: the same recipe for its full epochs with `train.fit: fastest` and an empty fit
-   cache (with --precisions, `train.precision: auto`, which measures bf16 against fp16 on a card
-   with bf16); its pick and `probe_seconds` from summary.json `fit`, against that run's wall time.
+   cache (with --precisions, `train.precision: auto`, which runs bf16 on a card with bf16 without
+   measuring fp16: the sweep says what that rule costs); its pick (with the precision it ran) and
+   `probe_seconds` from summary.json `fit`, against that run's wall time.
 
 Must hold: the pick's swept images/s within 5% of the best candidate's, and the probe at most 3%
 of the chooser run's wall time. Exit 1 when either does not.
@@ -16,7 +17,7 @@ of the chooser run's wall time. Exit 1 when either does not.
     python bench/fit_sweep.py --recipe rtx3060 --model resnet50 --image-size 224 --train-samples 1024
                                                     # a GPU, the allocator capped at the recipe's card
     python bench/fit_sweep.py --recipe rtx3060 --model resnet50 --image-size 224 --train-samples 1024 \
-        --precisions bf16,fp16                      # the precision too (`auto` on a card with bf16)
+        --precisions bf16,fp16                      # the precision too (bf16 against fp16)
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="epochs of the chooser's run (default: the recipe's; its probe is a larger share of a shorter run)")
     ap.add_argument("--train-samples", type=int, default=None, help="data.limit_train_samples")
     ap.add_argument("--precisions", default=None,
-                    help="bf16,fp16: sweep each candidate in each, and let the chooser choose (`auto`)")
+                    help="bf16,fp16: sweep each candidate in each; the chooser runs `auto` (bf16 where the "
+                         "card has it)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     ap.add_argument("--json", default=None, help="write the figures here too")
     return ap.parse_args(argv)
@@ -85,12 +87,10 @@ def summary_of(output: Path, name: str) -> dict:
     return json.loads((output / name / "summary.json").read_text())
 
 
-def settings_label(s: dict) -> str:
-    from vramfit.precision import NAMES
-
+def settings_label(s: dict, precision: str | None = None) -> str:
+    """A candidate's label, as `candidates` writes it (`precision`: what ran, with --precisions)."""
     return (f"micro {s['micro_batch']}" + (", channels_last" if s["channels_last"] else "")
-            + (", checkpointing" if s["grad_checkpointing"] else "")
-            + (f", {NAMES[s['precision']]}" if s.get("precision") else ""))
+            + (", checkpointing" if s["grad_checkpointing"] else "") + (f", {precision}" if precision else ""))
 
 
 def main(argv=None) -> int:
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         return 1
     chooser = summary_of(root, "chooser")
     fit, wall = chooser["fit"], chooser["wall_seconds"]
-    pick = settings_label(fit["chosen"])
+    pick = settings_label(fit["chosen"], chooser["precision"] if precisions else None)
     best_label = max((k for k in swept if swept[k]), key=lambda k: swept[k])
     best, got = swept[best_label], swept.get(pick)
     print(f"fit sweep: {args.recipe}" + (f", {args.model}" if args.model else "") + f" on {device_name() or 'CPU'}, "

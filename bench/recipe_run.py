@@ -90,8 +90,11 @@ def fit_lines(summary: dict) -> list[str]:
 
 def cap_allocator(recipe: str) -> int | None:
     """Cap this process's allocator at the recipe's card; returns the cap in bytes."""
-    # vramfit before torch: it sets OpenMP's wait (vramfit.openmp) before torch loads libgomp, so the
-    # runs of a bench on a CPU wait as `vramfit train` does.
+    # OpenMP's wait before torch loads libgomp, so the runs of a bench on a CPU wait as
+    # `vramfit train` does (vramfit.openmp).
+    from vramfit.openmp import shorten_spin
+
+    shorten_spin()
     from vramfit.config import build_config
     from vramfit.planner import reported_total_bytes
 

@@ -147,17 +147,29 @@ def _gomp(env_extra: dict, code: str):
 def test_openmp_spins_briefly_unless_the_user_chose_a_wait():
     """The shared-CPU rule (bench/shared_cpu.py): libgomp, as it loads with torch, spins 10000
     times instead of 300000; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is theirs; torch imported
-    before vramfit keeps libgomp's default and the start line says so."""
-    code = "import vramfit, torch; torch.ones(2); print(vramfit.openmp.WAIT)"
+    before the rule is applied keeps libgomp's default and says so."""
+    code = "from vramfit import openmp; print(openmp.shorten_spin()); import torch; torch.ones(2)"
     spin, out = _gomp({}, code)
     assert spin == ["10000"] and "GOMP_SPINCOUNT" in out, (spin, out)
     spin, out = _gomp({"GOMP_SPINCOUNT": "5"}, code)
     assert spin == ["5"] and "as set (GOMP_SPINCOUNT=5)" in out, out
     spin, out = _gomp({"OMP_WAIT_POLICY": "ACTIVE"}, code)
     assert spin != ["10000"] and "OMP_WAIT_POLICY=ACTIVE" in out, (spin, out)
-    spin, out = _gomp({}, "import torch, vramfit; torch.ones(2); print(vramfit.openmp.WAIT)")
+    spin, out = _gomp({}, "import torch; from vramfit import openmp; print(openmp.shorten_spin()); torch.ones(2)")
     assert spin == ["300000"] and "torch was imported before vramfit" in out, (spin, out)
 
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp: torch's OpenMP on Linux")
+def test_the_command_line_sets_the_wait_and_an_import_sets_nothing():
+    """The rule is the entry's (cli.main: `vramfit`, `python -m vramfit`, train.py), before torch
+    loads; a script that imports vramfit keeps its environment as it was."""
+    code = ("import os; before = dict(os.environ)\n"
+            "import vramfit, vramfit.cli, vramfit.openmp\n"
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
+            "try:\n    vramfit.cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "import torch; torch.ones(2)")
+    spin, out = _gomp({}, code)
+    assert spin == ["10000"] and out.startswith("vramfit "), (spin, out)
 
 
 class _BusyItems(torch.utils.data.Dataset):

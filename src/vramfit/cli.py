@@ -24,8 +24,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", dest="train.micro_batch", type=_micro, metavar="N|auto",
                    help="samples per forward/backward on one process, or `auto`")
     p.add_argument("--precision", dest="train.precision", choices=["auto", "fp32", "no", "bf16", "fp16"],
-                   help="fp32 (`no` is the same), bf16 or fp16 autocast; auto: bf16 where the GPU has it "
-                        "(with train.fit=fastest: the faster of bf16 and fp16)")
+                   help="fp32 (`no` is the same), bf16 or fp16 autocast; auto: bf16 where the GPU has it, "
+                        "else fp16; fp32 on a CPU")
     p.add_argument("--grad-checkpointing", dest="model.grad_checkpointing",
                    action=argparse.BooleanOptionalAction, default=None,
                    help="recompute activations in backward: less memory, ~20-30%% slower, same maths")
@@ -375,6 +375,9 @@ def _data_config(ns):
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .openmp import shorten_spin
+
+    shorten_spin()  # the process's entry, before anything imports torch (openmp.py)
     argv = sys.argv[1:] if argv is None else argv
     for stream in (sys.stdout, sys.stderr):  # a class named in any script prints under LC_ALL=C too
         if hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):

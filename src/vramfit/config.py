@@ -265,10 +265,6 @@ class DebugConfig(Section):
     # Run `train.precision: fp16` on a CPU as a GPU would (fp16 autocast and GradScaler loss
     # scaling), instead of in fp32: lets the fp16 recipes' own path run end to end without a GPU.
     fp16_on_cpu: bool = False
-    # Resolve `train.precision` on a CPU as on a GPU with bf16: `auto` is bf16, with fp16 (run as
-    # `fp16_on_cpu` runs it) the other precision `train.fit: fastest` measures; the precision
-    # choice and its relaunch run end to end without a GPU.
-    gpu_precisions_on_cpu: bool = False
 
 
 class Config(Section):

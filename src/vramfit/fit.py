@@ -1,7 +1,7 @@
 """`train.fit: fastest`: of the execution settings that leave a step's maths unchanged (the
-micro-batch, channels_last, gradient checkpointing; torch.compile with `train.compile: auto`; the
-precision where `train.precision: auto` left it to vramfit), the fastest that fits, chosen by
-measurement.
+micro-batch, channels_last, gradient checkpointing; torch.compile with `train.compile: auto`), the
+fastest that fits, chosen by measurement. The precision is not one of them: `train.precision: auto`
+is a rule (precision.py), and bench/fit_sweep.py `--precisions` measures bf16 against fp16.
 
 The planner drops what will not fit; the rest are timed on the run's own first batches, on the
 device it trains on, with the step it trains with (`TrainStep.rehearse`: forwards, backwards and
@@ -19,13 +19,6 @@ chosen again as it begins (`refit`), by the same measurement on its own first ba
 memory layout, checkpointing and compilation the start chose kept (a change of layout mid-run would
 re-lay the parameters the optimizer already holds). The choices are recorded per phase (`later`), so
 a resume inside a later phase takes its own.
-
-Precision (`train.precision: auto` on a GPU with bf16): the leader of the others is measured in
-fp16 too, its forward autocast to it for the measurement (`_running_in`). Accelerate fixes the
-precision when the Accelerator is made (autocast around the prepared forward, the GradScaler, the
-checkpoint's scaler state), so a run whose choice is another precision than it was launched in
-starts again in it (`Relaunch`, caught in run.py) with this choice given, before anything is
-written: it is then a run launched in that precision, named, fingerprinted and checkpointed as one.
 
 Progressive resizing changes what a step costs with every size, and where the planner's
 micro-batch changes so do the candidates: the sizes of a phase that share the planner's
@@ -60,7 +53,6 @@ from .caches import read_entry, write_entry
 from .collectives import agree_max, agree_min
 from .config import execution_settings
 from .phases import phase_named
-from .precision import NAMES, dtype_of, fit_choices
 from .sizeplan import first_plan, hold, segment_start, segment_steps
 
 log = logging.getLogger("vramfit")
@@ -81,14 +73,10 @@ class Settings:
     channels_last: bool
     grad_checkpointing: bool
     compile: bool = False
-    # Accelerate's name (no | bf16 | fp16) where the precision is a candidate (precision.fit_choices);
-    # None where it is not (the launch's, as written or the only one).
-    precision: str | None = None
 
     def label(self) -> str:
         return (f"micro {self.micro_batch}" + (", channels_last" if self.channels_last else "")
-                + (", checkpointing" if self.grad_checkpointing else "") + (", compiled" if self.compile else "")
-                + (f", {NAMES[self.precision]}" if self.precision else ""))
+                + (", checkpointing" if self.grad_checkpointing else "") + (", compiled" if self.compile else ""))
 
 
 @dataclass
@@ -132,25 +120,13 @@ class FitResult:
         return next((r for r in (self, *self.later) if r.is_for(phase, start)), None)
 
 
-class Relaunch(Exception):
-    """The run's choice is `precision` (Accelerate's name), not the one it was launched in: run.py
-    starts it again in that precision, giving it `result` (so that it does not probe again)."""
-
-    def __init__(self, precision: str, result: "FitResult"):
-        super().__init__(f"relaunch in {precision}")
-        self.precision, self.result = precision, result
-
-
 def current(run) -> Settings:
     m = run.cfg.model
-    return Settings(run.step.state.micro_batch, m.channels_last, m.grad_checkpointing, run.cfg.train.compile is True,
-                    run.launch.precision.accelerate if fit_choices(run.cfg) else None)
+    return Settings(run.step.state.micro_batch, m.channels_last, m.grad_checkpointing, run.cfg.train.compile is True)
 
 
-def choose(run, given: FitResult | None = None) -> FitResult:
-    """Choose and apply the run's fit (a no-op for `largest`, FSDP, and a fixed everything).
-    `given`: the choice an earlier launch of this run made (Relaunch). Raises Relaunch where the
-    choice is another precision than the launch's."""
+def choose(run) -> FitResult:
+    """Choose and apply the run's fit (a no-op for `largest`, FSDP, and a fixed everything)."""
     cfg = run.cfg
     if cfg.train.fit != "fastest" or run.step.fsdp:
         return FitResult("largest", chosen=current(run))
@@ -162,27 +138,10 @@ def choose(run, given: FitResult | None = None) -> FitResult:
     result = FitResult("fastest", phase=phase.name, image_size=start, later=saved.later if saved else [])
     with _segment(run, phase, start) as plan:
         base = replace(current(run), micro_batch=plan.micro.size)
-        if given is not None and saved is None:
-            _relaunched(run, result, given)
-        else:
-            _probe_or_cache(run, result, saved, lambda: search(run, base))
-        # Every process starts again, or none (processes launched in different precisions, from
-        # checkpoints they read differently, start again together in the agreed choice).
-        other = result.chosen.precision not in (None, run.launch.precision.accelerate)
-        if agree_max(int(other), run.launch.acc.device):
-            raise Relaunch(result.chosen.precision, result)
+        _probe_or_cache(run, result, saved, lambda: search(run, base))
         _take(run, phase, start, result)
     run.state.fit = result.as_dict()
     return result
-
-
-def _relaunched(run, result: FitResult, given: FitResult) -> None:
-    """This launch's choice is the one an earlier launch of the run made (in another precision):
-    taken as made (probed or cached there), and cached under this launch's key too."""
-    result.candidates, result.chosen = given.candidates, given.chosen
-    result.probe_seconds, result.cached = given.probe_seconds, given.cached
-    if run.launch.main:
-        store(cache_key(run), result)
 
 
 @contextmanager
@@ -296,7 +255,7 @@ def search(run, base: Settings, steps: int | None = None, layouts: bool = True,
            stop=None) -> tuple[list[Candidate], Settings]:
     """Greedy: from the settings as written, try one change at a time while the budget lasts (the
     budget: a share of `steps` steps, the whole run's by default; `layouts`: try the other memory
-    layout, and the leader in the other precisions `auto` may run, too). `stop()` true on any
+    layout too). `stop()` true on any
     process (a stop signal mid-run): no further candidate, so the run saves within a step or so."""
     device, compile_auto = run.launch.acc.device, run.cfg.train.compile == "auto"  # before apply records a choice
 
@@ -334,10 +293,6 @@ def search(run, base: Settings, steps: int | None = None, layouts: bool = True,
     for settings in neighbours(run, base, layouts):
         probe(settings)
     measured = [c for c in tried if c.images_per_second]
-    if measured and layouts:  # the precision, for the leader (a later segment keeps the run's)
-        for settings in other_precisions(run, leader(measured).settings):
-            probe(settings)
-        measured = [c for c in tried if c.images_per_second]
     if measured and compile_auto and not stopping():
         tried.append(probe_compiled(run, leader(measured), batches,
                                     budget - _agreed_seconds(time.perf_counter() - started, device)))
@@ -375,12 +330,6 @@ def probe_compiled(run, best: Candidate, batches: list, left: float) -> Candidat
     if failed and cand.images_per_second:  # another process's compilation failed
         cand.images_per_second, cand.outcome = None, "compile failed on another process"
     return cand
-
-
-def other_precisions(run, lead: Settings) -> list[Settings]:
-    """`lead` in each other precision `train.precision: auto` may run (none where it is not auto
-    or only one runs)."""
-    return [replace(lead, precision=p) for p in fit_choices(run.cfg) if p != lead.precision]
 
 
 def expected_step_seconds(compute: float, load: float, workers: int) -> float:
@@ -446,16 +395,6 @@ def _config(run, s: Settings, planned: bool = True):
     return cfg.model_copy(update=update)
 
 
-def compiled(model, on: bool) -> None:
-    """Compile `model` in place (nn.Module.compile, as setup.compile_model does) or undo it.
-    nn.Module.compile keeps the compiled callable in `_compiled_call_impl` and offers no undo;
-    clearing it makes the module call its own forward again."""
-    if on and getattr(model, "_compiled_call_impl", None) is None:
-        model.compile()
-    elif not on and getattr(model, "_compiled_call_impl", None) is not None:
-        model._compiled_call_impl = None
-
-
 def predicted_peak(run, s: Settings) -> int | None:
     """The planner's peak for `s` on a GPU (a trace per layout: seconds for a large model). On a
     CPU nothing is fitted against, so only the plan the run already has is given."""
@@ -467,7 +406,7 @@ def predicted_peak(run, s: Settings) -> int | None:
         return None
     try:
         return estimate(_config(run, s), len(run.class_names), s.micro_batch,
-                        s.precision or run.launch.precision.accelerate, num_processes=run.launch.world,
+                        run.launch.precision.accelerate, num_processes=run.launch.world,
                         per_process_batch=run.plan.micro.per_process_batch).peak_bytes
     except Exception:  # noqa: BLE001 - a model the tracer cannot follow is still measured
         return None
@@ -505,47 +444,20 @@ def measure(run, s: Settings, batches: list) -> float | None:
     apply(run, s)
     device, seconds = run.launch.acc.device, []
     ok = True
-    with _running_in(run, s.precision):
-        for batch in batches:
-            images = run.loaders.normalize(batch.images)
-            labels = batch.labels.to(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            ok = run.step.rehearse(images, labels, batch.step_samples) and ok
-            _sync(device)
-            seconds.append(time.perf_counter() - t0)
-            if not ok:
-                break
+    for batch in batches:
+        images = run.loaders.normalize(batch.images)
+        labels = batch.labels.to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        ok = run.step.rehearse(images, labels, batch.step_samples) and ok
+        _sync(device)
+        seconds.append(time.perf_counter() - t0)
+        if not ok:
+            break
     if agree_min(int(ok), device) == 0:
         return None
     fastest = agree_max(int(min(seconds[WARMUP_STEPS:] or seconds) * 1e6), device) / 1e6
     return batches[0].step_samples / fastest if fastest > 0 else None
-
-
-@contextmanager
-def _running_in(run, precision: str | None):
-    """While a candidate in another precision than the launch's is measured, the model's forward
-    autocasts to it, as Accelerate's prepared forward does (autocast, outputs made fp32), around the
-    forward it wrapped. Not the loss scale's multiply nor the unscaling pass of fp16: rehearse
-    leaves the update out for every candidate, and they are a small part of it."""
-    L = run.launch
-    if precision in (None, L.precision.accelerate):
-        yield
-        return
-    from accelerate.utils import convert_outputs_to_fp32
-
-    module = L.acc.unwrap_model(run.model)
-    wrapped = module.__dict__.get("forward")
-    plain = module.__dict__.get("_original_forward", module.forward)
-    autocast = torch.autocast(L.acc.device.type, dtype=dtype_of(precision))
-    module.forward = convert_outputs_to_fp32(autocast(plain))
-    try:
-        yield
-    finally:
-        if wrapped is None:
-            del module.forward
-        else:
-            module.forward = wrapped
 
 
 def _sync(device) -> None:
@@ -557,11 +469,12 @@ def apply(run, s: Settings) -> None:
     """Make the run execute with `s`: the model's memory format and checkpointing, the step's
     micro-batch, the normaliser's layout, and the config and plan that record them."""
     from .data.loader import normalizer
+    from .models import compile_in_place
 
     module = run.launch.acc.unwrap_model(run.model)
     fmt = torch.channels_last if s.channels_last else torch.contiguous_format
     module.to(memory_format=fmt)
-    compiled(run.model, s.compile)
+    compile_in_place(run.model, s.compile)
     if hasattr(module, "set_grad_checkpointing"):
         module.set_grad_checkpointing(s.grad_checkpointing)
     run.step.recomputes = s.grad_checkpointing and any(True for _ in module.buffers())
@@ -580,19 +493,11 @@ def cache_key(run) -> str:
     cfg, L = run.cfg, run.launch
     dev = torch.cuda.get_device_name(L.acc.device) if L.device_type == "cuda" else platform.processor() or "cpu"
     plan = run.plan  # the phase's, at the size it is for
-    identity = dict(run.start.identity.maths, **{"train.precision": _precision_key(run)})
     parts = (platform.node(), dev, os.cpu_count(), torch.get_num_threads(), torch.__version__, timm.__version__,
-             json.dumps(identity, sort_keys=True), json.dumps(execution_settings(cfg, "step"), sort_keys=True),
+             json.dumps(run.start.identity.maths, sort_keys=True), json.dumps(execution_settings(cfg, "step"), sort_keys=True),
              L.world, plan.micro.per_process_batch, plan.micro.size, plan.micro.source, plan.image_size, plan.phase,
              len(run.class_names))
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
-
-
-def _precision_key(run) -> str:
-    """The precision part of the cache key: what runs, or under `auto` with several choices the
-    choices themselves, so that the launch in the chosen precision finds the choice."""
-    choices = fit_choices(run.cfg)
-    return "auto:" + ",".join(choices) if choices else run.launch.precision.name
 
 
 def _cache_file() -> Path:

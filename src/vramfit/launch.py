@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .signals import under_launcher
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -55,8 +57,7 @@ def _launcher_set_threads() -> bool:
     """True when OMP_NUM_THREADS came from a launcher (`accelerate launch` and `torchrun` set it to
     1 when the user did not), not from the user: the launcher's own starting environment, which is
     the user's, does not hold it."""
-    if "OMP_NUM_THREADS" not in os.environ or "LOCAL_RANK" not in os.environ and \
-            not any(k.startswith("ACCELERATE_") for k in os.environ):
+    if "OMP_NUM_THREADS" not in os.environ or not under_launcher():
         return False
     try:
         with open(f"/proc/{os.getppid()}/environ", "rb") as f:
@@ -97,7 +98,7 @@ def _join_elastic_round(device_type: str) -> None:
 def start(cfg, run_dir: Path | None = None, precision: Precision | None = None) -> Launch:
     """The process's Accelerator, in `precision` (default: what `precision.here(cfg)` resolves);
     with the run's trackers when `run_dir` is given (TensorBoard writes into it), none without
-    (lr-find, benches). Once more after `forget()` (a relaunch in another precision) it makes a new
+    (lr-find, benches). Once more after `forget()` (another run in the same process) it makes a new
     Accelerator on the process group it has."""
     # Must be set before CUDA initialises; expandable segments cut fragmentation-driven OOMs.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -130,7 +131,7 @@ def start(cfg, run_dir: Path | None = None, precision: Precision | None = None) 
     notes = [f"precision: {precision.note}"] if precision.note else []
     notes.append(set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if device_type == "cpu":  # on a GPU the CPU's OpenMP barely runs: no word for it
-        notes.append(openmp.WAIT)
+        notes.append(openmp.in_effect())
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
         # TF32 matmuls on Ampere and newer (as timm and NVIDIA's references train); convolutions

@@ -212,6 +212,18 @@ def sync_batchnorm(model: nn.Module) -> nn.Module:
     return converted
 
 
+def compile_in_place(model: nn.Module, on: bool = True) -> None:
+    """torch.compile `model` in place (`nn.Module.compile`), or undo it (`on` False). In place rather
+    than a wrapper: parameter and state-dict names, checkpoints and the EMA copy stay as they are.
+    nn.Module.compile keeps the compiled callable in `_compiled_call_impl` and offers no undo;
+    clearing it makes the module call its own forward again (train.fit: fastest measures compiled
+    and eager candidates on one model)."""
+    if on and getattr(model, "_compiled_call_impl", None) is None:
+        model.compile()
+    elif not on and getattr(model, "_compiled_call_impl", None) is not None:
+        model._compiled_call_impl = None
+
+
 def data_config(model: nn.Module, image_size: int, crop_pct: float | None = None) -> dict:
     """Mean/std/interpolation/crop from the model's pretrained config, at our image size."""
     cfg = timm.data.resolve_data_config({}, model=model)

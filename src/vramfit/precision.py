@@ -1,8 +1,9 @@
 """The precision a run asked for, resolved into the one it runs with: one rule, used by the launch,
 the planner, lr-find, the summary, run names, W&B tags and TensorBoard hparams.
 
-`auto` is bf16 on a GPU with bf16, fp16 (with loss scaling) on one without, fp32 on a CPU; with
-`train.fit: fastest` on a GPU with bf16 it is whichever of bf16 and fp16 measured faster (fit.py).
+`auto` is bf16 on a GPU with bf16, fp16 (with loss scaling) on one without, fp32 on a CPU: a rule,
+never a measurement. On a card with bf16 both run at the same tensor-core rate, and bf16 keeps fp32's
+range without loss scaling; bench/fit_sweep.py `--precisions bf16,fp16` measures the two side by side.
 bf16 asked on a GPU without it runs fp16; fp16 asked on a CPU runs fp32 (unless `debug.fp16_on_cpu`).
 The planner plans for a GPU with bf16 (`planned`): it runs without a device.
 """
@@ -57,9 +58,8 @@ def requested_name(requested: str | None) -> str:
 
 
 def resolve(requested: str | None, device_type: str, *, bf16_supported: bool | None = None,
-            fp16_on_cpu: bool = False, chosen: str | None = None) -> Precision:
-    """The precision a run on `device_type` runs with. `bf16_supported` None: ask the GPU.
-    `chosen`: what `train.fit: fastest` measured fastest of `auto`'s choices (Accelerate's name)."""
+            fp16_on_cpu: bool = False) -> Precision:
+    """The precision a run on `device_type` runs with. `bf16_supported` None: ask the GPU."""
     asked = requested_name(requested)
     if device_type == "cuda":
         if bf16_supported is None:
@@ -67,11 +67,7 @@ def resolve(requested: str | None, device_type: str, *, bf16_supported: bool | N
 
             bf16_supported = torch.cuda.is_bf16_supported()
         if asked == "auto":
-            ruled, *others = auto_choices(bf16_supported)
-            if chosen in others:
-                return Precision(asked, chosen, f"auto: {NAMES[chosen]}, measured faster than {NAMES[ruled]} "
-                                                "(train.fit: fastest)")
-            return Precision(asked, ruled)
+            return Precision(asked, "bf16" if bf16_supported else "fp16")
         if asked == "bf16" and not bf16_supported:
             return Precision(asked, "fp16", "this GPU has no bf16 support: using fp16 (with loss scaling) instead")
         return Precision(asked, "no" if asked == "fp32" else asked)
@@ -84,42 +80,12 @@ def resolve(requested: str | None, device_type: str, *, bf16_supported: bool | N
     return Precision(asked, asked)
 
 
-def auto_choices(bf16_supported: bool) -> tuple[str, ...]:
-    """What `auto` may run on a GPU (Accelerate's names), the rule's pick first: bf16 and fp16 where
-    the card has bf16 (the same tensor-core rate on most cards; fp16 adds loss scaling, bf16 keeps
-    fp32's range), fp16 alone where it has not."""
-    return ("bf16", "fp16") if bf16_supported else ("fp16",)
-
-
-def _as_device(cfg) -> tuple[str, bool | None]:
-    """The device type precisions resolve for, and whether it has bf16 (None: ask the GPU).
-    `debug.gpu_precisions_on_cpu`: a CPU resolves as a GPU with bf16."""
+def here(cfg) -> Precision:
+    """What `cfg` runs with on this machine (before any Accelerator exists)."""
     import torch
 
-    if torch.cuda.is_available():
-        return "cuda", None
-    return ("cuda", True) if cfg.debug.gpu_precisions_on_cpu else ("cpu", None)
-
-
-def here(cfg, chosen: str | None = None) -> Precision:
-    """What `cfg` runs with on this machine (before any Accelerator exists); `chosen`: as `resolve`'s."""
-    device_type, bf16 = _as_device(cfg)
-    return resolve(cfg.train.precision, device_type, bf16_supported=bf16, fp16_on_cpu=cfg.debug.fp16_on_cpu,
-                   chosen=chosen)
-
-
-def fit_choices(cfg) -> tuple[str, ...]:
-    """The precisions `train.fit: fastest` measures (Accelerate's names): `auto`'s choices on this
-    machine where there are several, else none (the precision is the user's, or the only one)."""
-    device_type, bf16 = _as_device(cfg)
-    if requested_name(cfg.train.precision) != "auto" or device_type != "cuda":
-        return ()
-    if bf16 is None:
-        import torch
-
-        bf16 = torch.cuda.is_bf16_supported()
-    found = auto_choices(bf16)
-    return found if len(found) > 1 else ()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve(cfg.train.precision, device_type, fp16_on_cpu=cfg.debug.fp16_on_cpu)
 
 
 def planned(requested: str | None) -> Precision:

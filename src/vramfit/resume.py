@@ -19,7 +19,6 @@ from pathlib import Path
 from . import checkpoint
 from .config import Config, execution_settings, maths_settings
 from .errors import VramfitError
-from .precision import NAMES
 from .state import TrainerState
 
 log = logging.getLogger("vramfit")
@@ -92,28 +91,6 @@ def find(cfg: Config, ckpt_dir: Path) -> ResumePoint | None:
             raise VramfitError(f"--resume {cfg.resume} is not a complete checkpoint folder.",
                                hint=f"use --resume auto, or one of {ckpt_dir}/step-N")
     return ResumePoint(path, TrainerState.from_saved(checkpoint.read_state(path), str(path))) if path else None
-
-
-def continued_precision(cfg: Config, folders: dict[str, Path]) -> str | None:
-    """Of `folders` (each precision `auto` may run -> the checkpoints folder the run has in it, one
-    for each name the run may have), the precision whose checkpoint this launch continues: the
-    most recently written where several hold one; None where none does (or `--resume never`).
-    Read before the launch, so that a run whose precision was measured resumes in it."""
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        newest = [next((p for _, p in reversed(checkpoint.list_steps(f)) if checkpoint.is_complete(p, verify=False)),
-                       None) for f in set(folders.values())]
-    else:
-        newest = [Path(cfg.resume)]
-    found = []
-    for path in filter(None, newest):
-        try:
-            found.append((path.stat().st_mtime, checkpoint.read_state(path)["identity"]["train.precision"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # find_start says what is wrong with it
-    by_name = {NAMES[p]: p for p in folders}
-    return next((by_name[n] for _, n in sorted(found, reverse=True) if n in by_name), None)
 
 
 def check(cfg: Config, point: ResumePoint, world: int, new: Identity) -> tuple[list[str], dict | None]:

@@ -132,15 +132,6 @@ class RunPaths:
         return self.dir / ".vramfit.lock"
 
 
-def discard_if_unused(paths: RunPaths) -> None:
-    """Remove the run folder if it holds nothing but its lock file (a launch that claimed it and
-    started again under another name: a relaunch in another precision)."""
-    with contextlib.suppress(OSError):
-        if {p.name for p in paths.dir.iterdir()} <= {paths.lock.name}:
-            paths.lock.unlink(missing_ok=True)
-            paths.dir.rmdir()
-
-
 @contextlib.contextmanager
 def locked(paths: RunPaths):
     """Hold the run folder for one run: an advisory lock (flock) on its lock file, which the OS

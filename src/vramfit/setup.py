@@ -482,13 +482,14 @@ def fit_notes(cfg: Config, L: Launch, num_classes: int, mb: batching.MicroBatch,
 
 
 def compile_model(cfg: Config, L: Launch, model):
-    """`train.compile`: torch.compile the model in place (`nn.Module.compile`), after the micro-batch
-    is settled, so the memory probe runs eagerly and the first compiled shapes are the run's own.
-    In place rather than a wrapper: parameter and state-dict names, checkpoints and the EMA copy
-    stay as they are. A smaller micro-batch after an out-of-memory retry, a short last batch and
-    evaluation each compile once more."""
+    """`train.compile`: torch.compile the model in place (models.compile_in_place), after the
+    micro-batch is settled, so the memory probe runs eagerly and the first compiled shapes are the
+    run's own. A smaller micro-batch after an out-of-memory retry, a short last batch and evaluation
+    each compile once more."""
+    from .models import compile_in_place
+
     if cfg.train.compile is True:
-        model.compile()
+        compile_in_place(model)
         L.notes.append("torch.compile: on (the first steps and the first evaluation include compiling)")
     elif cfg.train.compile == "auto" and cfg.train.fit != "fastest":
         L.notes.append("torch.compile: off (train.compile: auto is measured by train.fit: fastest only)")
