@@ -494,7 +494,8 @@ def cache_key(run) -> str:
     dev = torch.cuda.get_device_name(L.acc.device) if L.device_type == "cuda" else platform.processor() or "cpu"
     plan = run.plan  # the phase's, at the size it is for
     parts = (platform.node(), dev, os.cpu_count(), torch.get_num_threads(), torch.__version__, timm.__version__,
-             json.dumps(run.start.identity.maths, sort_keys=True), json.dumps(execution_settings(cfg, "step"), sort_keys=True),
+             json.dumps(run.start.identity.maths, sort_keys=True),
+             json.dumps(execution_settings(cfg, "step"), sort_keys=True),
              L.world, plan.micro.per_process_batch, plan.micro.size, plan.micro.source, plan.image_size, plan.phase,
              len(run.class_names))
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
