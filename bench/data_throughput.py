@@ -129,11 +129,11 @@ def ours(source: Path, args, device_type: str) -> float:
 
 def device_stage(args) -> tuple[str, float]:
     """(device, ms per batch) of what the training process does to a loader batch before the model:
-    move, normalise and colour-jitter it (vramfit.augment, the default 0.4)."""
+    move, normalise and colour-jitter it (vramfit.data.augment, the default 0.4)."""
     import torch
 
     from vramfit import data as D
-    from vramfit.augment import ColorJitter
+    from vramfit.data.augment import ColorJitter
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = data_cfg_at(args.image_size)
@@ -171,7 +171,7 @@ def draft_table(args) -> None:
 
     from vramfit import data as D
     from vramfit.config import DataConfig
-    from vramfit.decode import decode_image
+    from vramfit.data.decode import decode_image
 
     torch.set_num_threads(1)
     s = args.image_size
@@ -229,8 +229,8 @@ def main(argv=None) -> int:
         if "b" in args.cases:
             cases.append(("b", "4000x3000 JPEG", b, b))
         if "c" in args.cases:
+            from vramfit.commands.prepare import prepare
             from vramfit.config import DataConfig
-            from vramfit.prepare import prepare
 
             if c.exists():
                 shutil.rmtree(c)

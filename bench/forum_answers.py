@@ -76,7 +76,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 MEASURE_PRETRAINED = """
 import gc, resource, sys, torch, timm
 from vramfit.config import ModelConfig
-from vramfit.models import create_model
+from vramfit.models.create import create_model
 path = sys.argv[1]
 if path != "none":
     torch.save(timm.create_model("resnet50").state_dict(), path)  # a stand-in for downloaded weights

@@ -10,7 +10,7 @@
 
 Part 1 (accuracy): ResNet50, EfficientNet-B0, ResNet18 x {fp32, bf16, fp16} x grad checkpointing
 {off, on} x micro-batch {32, 64, 128} at 224 px, AdamW, clip 1.0, label smoothing 0.1 -- the step
-`engine.TrainStep` runs (autocast forward, fp32 logits, summed cross-entropy, backward, clip,
+`train.step.TrainStep` runs (autocast forward, fp32 logits, summed cross-entropy, backward, clip,
 optimizer step, zero_grad), on synthetic data, micro-batch = per-process batch. Two warm steps, then
 one measured: measured peak = torch.cuda.max_memory_reserved + the CUDA context (device memory in
 use per `torch.cuda.mem_get_info` minus what the caching allocator holds, minus what other
@@ -115,8 +115,8 @@ def steps(model_name: str, precision: str, ckpt: bool, micro: int, n: int = 3, e
     """`n` training steps exactly as planned; returns the peaks of the last one and the time of a
     step after the first. `empty_cache`: torch.cuda.empty_cache() after every step (the forum's
     advice), to see what it costs."""
-    from vramfit.models import create_model
-    from vramfit.optim import create_optimizer
+    from vramfit.models.create import create_model
+    from vramfit.train.optim import create_optimizer
 
     cfg = config(model_name, precision, ckpt, micro)
     dev = torch.device(DEVICE)

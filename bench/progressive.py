@@ -58,7 +58,7 @@ def run_config(run_dir: Path):
 
 def step_costs(cfg, micro: dict[int, int], rounds: int = 6) -> dict[int, float]:
     """Seconds of one training step at each size of `micro` (px -> the micro-batch the runs trained
-    it at): the step a run trains with (setup.build_training, as bench/throughput.py times it) on
+    it at): the step a run trains with (train.build.build_training, as bench/throughput.py times it) on
     random images of the global batch, split into micro-batches of that size. The sizes take turns,
     round after round, so that a slow stretch of a shared machine falls on all of them; each size's
     figure is its fastest round after the first."""
@@ -66,11 +66,12 @@ def step_costs(cfg, micro: dict[int, int], rounds: int = 6) -> dict[int, float]:
 
     import torch
 
-    from vramfit import launch, setup
+    from vramfit.runtime import launch
+    from vramfit.train import build
 
     L = launch.start(cfg)
     try:
-        training = setup.build_training(cfg, L, [str(i) for i in range(10)], steps_per_epoch=1)
+        training = build.build_training(cfg, L, [str(i) for i in range(10)], steps_per_epoch=1)
         batch, device = cfg.train.global_batch // L.world, L.acc.device
         fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
         times: dict[int, list[float]] = {size: [] for size in micro}

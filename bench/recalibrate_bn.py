@@ -20,9 +20,9 @@ import statistics
 
 import torch
 
+from vramfit.commands.eval import run_data_config
+from vramfit.commands.trained import ColumnItems, TrainedModel
 from vramfit.data import load_splits
-from vramfit.evaluation import run_data_config
-from vramfit.trained import ColumnItems, TrainedModel
 
 
 def accuracy(tm: TrainedModel, ds, column: str, labels: torch.Tensor) -> float:

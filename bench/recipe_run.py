@@ -91,8 +91,8 @@ def fit_lines(summary: dict) -> list[str]:
 def cap_allocator(recipe: str) -> int | None:
     """Cap this process's allocator at the recipe's card; returns the cap in bytes."""
     # OpenMP's wait before torch loads libgomp, so the runs of a bench on a CPU wait as
-    # `vramfit train` does (vramfit.openmp).
-    from vramfit.openmp import shorten_spin
+    # `vramfit train` does (vramfit.runtime.openmp).
+    from vramfit.runtime.openmp import shorten_spin
 
     shorten_spin()
     from vramfit.config import build_config
@@ -118,7 +118,7 @@ def device_name() -> str | None:
 def vramfit(argv: list[str]) -> int:
     """One vramfit command in this process (so the allocator cap holds), as its exit code."""
     from vramfit.cli import main
-    from vramfit.launch import forget
+    from vramfit.runtime.launch import forget
 
     try:
         main(argv)

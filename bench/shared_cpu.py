@@ -5,7 +5,7 @@ runs for the whole bench. Under it, and once idle for reference, `vramfit train 
 quickstart --epochs E` runs as a fresh process per setting:
   default     torch's threads (one per core) with libgomp's own wait (GOMP_SPINCOUNT=300000: a
               thread that finished its share spins that many times before it sleeps)
-  rule        vramfit's rule (src/vramfit/openmp.py): the same threads, GOMP_SPINCOUNT=10000
+  rule        vramfit's rule (src/vramfit/runtime/openmp.py): the same threads, GOMP_SPINCOUNT=10000
   1 thread    OMP_NUM_THREADS=1 (vramfit keeps a count the user set)
   passive     torch's threads with OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps at once)
 Every setting runs idle and loaded. The settings interleave over `--rounds` rounds; each figure is
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vramfit.openmp import USER_KEYS
+from vramfit.runtime.openmp import USER_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {"default": {"GOMP_SPINCOUNT": "300000"}, "rule": {}, "1 thread": {"OMP_NUM_THREADS": "1"},

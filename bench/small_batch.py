@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vramfit.builtin_data import ensure_digits
+from vramfit.data.builtin import ensure_digits
 
 COMMON = ["--model", "resnet18", "--image-size", "32", "--set", "data.hflip=0", "--set", "data.scale=[0.5,1.0]",
           "--set", "data.val_fraction=0.3", "--set", "data.color_jitter=0", "--set", "train.log_every_steps=1000"]

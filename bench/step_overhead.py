@@ -2,7 +2,7 @@
 
 Baseline: the loop of Accelerate's examples (forward, `accelerator.backward(loss / accum)`,
 `clip_grad_norm_`, `optimizer.step()`, `zero_grad()`, micro-batches under `no_sync`).
-Ours: `engine.TrainStep` on the same model, data and optimizer settings, which adds the per-step
+Ours: `train.step.TrainStep` on the same model, data and optimizer settings, which adds the per-step
 safety: the out-of-memory / non-finite flag, the copy of BatchNorm statistics and RNG state an
 interrupted or retried step is undone with, the gradient-norm check and the loss bookkeeping.
 Both run the same number of steps, interleaved, best of `--repeats`; the ratio is ours / baseline
@@ -35,10 +35,10 @@ def main() -> None:
     from accelerate import Accelerator
 
     from vramfit.config import ModelConfig, OptimConfig
-    from vramfit.collectives import broadcast_module
-    from vramfit.engine import TrainStep
-    from vramfit.models import create_model
-    from vramfit.optim import create_optimizer
+    from vramfit.models.create import create_model
+    from vramfit.runtime.collectives import broadcast_module
+    from vramfit.train.optim import create_optimizer
+    from vramfit.train.step import TrainStep
 
     acc = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(0)

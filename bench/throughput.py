@@ -1,10 +1,11 @@
 """Images/second of vramfit's training step against a plain Accelerate + timm loop, same process.
 
 Ours:     the step as `vramfit train` builds it: launch.start (Accelerate, precision, TF32, cuDNN
-          benchmark), then setup.build_training, the same assembly `vramfit train` runs
-          (vramfit.models.create_model with channels_last when asked, vramfit.optim, `prepare_model(
+          benchmark), then train.build.build_training, the same assembly `vramfit train` runs
+          (vramfit.models.create.create_model with channels_last when asked, vramfit.train.optim,
+          `prepare_model(
           evaluation_mode=True)` + `prepare_optimizer`, the micro-batch plan, torch.compile when
-          asked, engine.TrainStep) without the data.
+          asked, train.step.TrainStep) without the data.
 Baseline: timm.create_model + timm's AdamW, `accelerator.prepare(model, optimizer)`, then per step
           forward, cross-entropy, `accelerator.backward`, clip (as Accelerate's examples do when they
           clip; both loops clip at the trainer's default unless --clip-grad-norm 0), step, zero_grad.
@@ -74,11 +75,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_ours(args, model_name: str, precision: str):
-    """The launch, model, optimizer and step exactly as `vramfit.run.train` builds them."""
+    """The launch, model, optimizer and step exactly as `vramfit.train.run.train` builds them."""
     import torch
 
-    from vramfit import launch, setup
     from vramfit.config import Config
+    from vramfit.runtime import launch
+    from vramfit.train import build
 
     cfg = Config.model_validate({
         "model": {"name": model_name, "channels_last": args.channels_last},
@@ -89,7 +91,7 @@ def build_ours(args, model_name: str, precision: str):
     if args.threads:
         torch.set_num_threads(args.threads)
     classes = [str(i) for i in range(args.num_classes)]
-    training = setup.build_training(cfg, L, classes, steps_per_epoch=args.steps)
+    training = build.build_training(cfg, L, classes, steps_per_epoch=args.steps)
     return L, cfg, lambda x, y: training.step(x, y, args.batch)
 
 

@@ -16,11 +16,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from vramfit import batching
-from vramfit.collectives import full_state_dict
 from vramfit.config import ModelConfig, OptimConfig
-from vramfit.engine import TrainStep, is_fsdp
-from vramfit.models import create_model
-from vramfit.optim import create_optimizer
+from vramfit.models.create import create_model
+from vramfit.runtime.collectives import full_state_dict
+from vramfit.train.optim import create_optimizer
+from vramfit.train.step import TrainStep, is_fsdp
 
 acc = Accelerator(cpu=True)
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -11,12 +11,12 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from vramfit import collectives
-from vramfit.collectives import broadcast_module
 from vramfit.config import ModelConfig, OptimConfig
-from vramfit.engine import TrainStep
-from vramfit.models import create_model
-from vramfit.optim import create_optimizer
+from vramfit.models.create import create_model
+from vramfit.runtime import collectives
+from vramfit.runtime.collectives import broadcast_module
+from vramfit.train.optim import create_optimizer
+from vramfit.train.step import TrainStep
 
 oom_mode = sys.argv[2:] == ["oom-in-backward"]
 if oom_mode:

@@ -2,7 +2,7 @@
 what comes after training (eval, predict, export, compare).
 
 If training itself fails, a stand-in run folder is written by hand (config.yaml, summary.json,
-metrics.jsonl and model/ through `vramfit.models.export`), so these tests keep checking their own
+metrics.jsonl and model/ through `vramfit.models.create.export`), so these tests keep checking their own
 commands; `Run.real` says which one a test got.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from helpers import tiny_args
-from vramfit.launch import forget
+from vramfit.runtime.launch import forget
 
 
 @dataclass
@@ -62,7 +62,7 @@ def stand_in(run_dir: Path, name: str) -> Path:
     import torch
 
     from vramfit.config import build_config
-    from vramfit.models import data_config, export
+    from vramfit.models.create import data_config, export
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)

@@ -49,7 +49,7 @@ def train_cli(tmp_path):
 def _fresh_accelerate_state():
     """Each in-process run builds its own Accelerator (precision, cpu) as a new process would."""
     yield
-    from vramfit.launch import forget
+    from vramfit.runtime.launch import forget
 
     forget()
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ImageNet's mean and std, as a timm data config gives them.
 MEAN_STD = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
-# timm's data config of a 32 px run (what models.data_config gives the tiny models).
+# timm's data config of a 32 px run (what models.create.data_config gives the tiny models).
 DATA_CFG_32 = {"input_size": (3, 32, 32), "interpolation": "bilinear", **MEAN_STD, "crop_pct": 0.875}
 
 

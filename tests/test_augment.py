@@ -7,8 +7,8 @@ import torch
 
 from helpers import HOST_READS, MEAN_STD, HostReads, tiny_args
 from vramfit import data as D
-from vramfit.augment import DeviceAugment
 from vramfit.config import DataConfig
+from vramfit.data.augment import DeviceAugment
 
 
 
@@ -76,7 +76,7 @@ def test_color_jitter_is_torchvisions_per_sample():
     """Each sample gets its own factors and its own order of brightness, contrast and saturation
     (drawn by torchvision's get_params), and the result is torchvision's ColorJitter with those
     draws (in pixel values, then normalised), for either memory format."""
-    from vramfit.augment import ColorJitter
+    from vramfit.data.augment import ColorJitter
 
     x, _ = batch(n=12, size=20, seed=4)
     torch.manual_seed(0)
@@ -184,7 +184,7 @@ def test_cutmix_pastes_a_box_and_is_seeded():
 
 
 def test_soft_target_loss_equals_hard_loss_on_one_hot():
-    from vramfit.engine import cross_entropy_sum, hits
+    from vramfit.train.step import cross_entropy_sum, hits
 
     logits = torch.randn(4, 5)
     y = torch.tensor([0, 3, 1, 4])

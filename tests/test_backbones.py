@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from vramfit.backbones import BACKBONES, BASE_BATCH, backbone
 from vramfit.cli import run
 from vramfit.config import OptimConfig, build_config
-from vramfit.optim import create_optimizer, create_scheduler, scaled_lr
+from vramfit.models.backbones import BACKBONES, BASE_BATCH, backbone
+from vramfit.train.optim import create_optimizer, create_scheduler, scaled_lr
 
 
 def test_lr_follows_the_global_batch():

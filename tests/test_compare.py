@@ -40,7 +40,7 @@ def test_compare_plot_and_csv_of_two_real_runs(tmp_path, capsys):
 def test_history_time_continues_across_resumed_segments(tmp_path):
     """A resumed segment's clock restarts at 0: the history's time continues. The first rows are
     as run folders of earlier versions wrote them (`val_accuracy`), the resumed ones as today's."""
-    from vramfit.compare import eval_history
+    from vramfit.commands.compare import eval_history
 
     records = [{"step": 10, "time": 5.0, "kind": "train", "loss": 2.0},
                {"step": 20, "time": 9.0, "kind": "eval", "val_accuracy": 0.5},
@@ -53,7 +53,7 @@ def test_history_time_continues_across_resumed_segments(tmp_path):
 
 
 def test_short_labels_and_a_bad_sort_key(tmp_path):
-    from vramfit.compare import compare, short_labels
+    from vramfit.commands.compare import compare, short_labels
     from vramfit.errors import VramfitError
 
     assert short_labels(["qs-resnet18-32px-s0", "qs-efficientnet_b0-32px-s0"]) == ["resnet18", "efficientnet_b0"]

@@ -9,7 +9,7 @@ import timm
 
 from helpers import tiny_args
 from vramfit.config import build_config
-from vramfit.setup import compile_model
+from vramfit.train.build import compile_model
 
 
 def test_compile_is_opt_in_and_in_place():

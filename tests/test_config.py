@@ -152,10 +152,10 @@ def test_fp32_is_one_precision_by_any_name(given):
     """`--precision fp32` is what Accelerate calls `no`; either way the config, the run name and
     Accelerate agree (YAML reads a bare `no` as false: that is fp32 too)."""
     from vramfit.cli import parser
-    from vramfit.precision import planned, resolve
+    from vramfit.runtime.precision import planned, resolve
 
     cfg = build_config("quickstart", sets=[f"train.precision={given}"])
-    from vramfit.runfolder import RunPaths
+    from vramfit.store.runfolder import RunPaths
 
     assert cfg.train.precision == "fp32" and "-fp32-" in RunPaths.of(cfg, resolve(cfg.train.precision, "cpu").name).name
     assert resolve(cfg.train.precision, "cpu").accelerate == "no" and planned("bf16").accelerate == "bf16"
@@ -225,7 +225,7 @@ def test_default_run_names_of_the_readmes_commands_never_collide(tmp_path):
     """The README's training commands, run one after another into one --output, each get their
     own folder; the same command gets the same folder again (so it resumes), and a setting that
     only changes how the run executes (the micro-batch, checkpointing) keeps it."""
-    from vramfit.runfolder import RunPaths
+    from vramfit.store.runfolder import RunPaths
 
     photos = str(tmp_path / "photos")
     commands = [("quickstart", [], {}), ("quickstart", [], {"train.epochs": 1}),

@@ -1,5 +1,5 @@
-"""vramfit.data, scan.py, prepare.py: every source kind, bad files counted exactly, every mode to RGB uint8,
-deterministic batches, scan-data and prepare end to end. All data is generated here (no Hub)."""
+"""vramfit.data, commands/scan_data.py, commands/prepare.py: every source kind, bad files counted
+exactly, every mode to RGB uint8, deterministic batches, scan-data and prepare end to end. All data is generated here (no Hub)."""
 import io
 import json
 import os
@@ -488,7 +488,7 @@ def test_scan_data_lists_unreadable_files_and_exits_non_zero(messy, tmp_path, ca
 
 def test_prepare_keeps_labels_and_splits_and_the_output_trains(messy, tmp_path, train_cli, capsys,
                                                              monkeypatch):
-    from vramfit.prepare import prepare
+    from vramfit.commands.prepare import prepare
 
     root, bad = messy
     dst = tmp_path / "prepared"

@@ -97,7 +97,7 @@ def test_a_missing_relative_path_is_called_missing_not_a_hub_id(tmp_path, monkey
 
 
 def test_huge_images_give_one_note_not_a_pil_warning_per_file(tmp_path, monkeypatch, caplog, transforms):
-    from vramfit.scan import scan_data
+    from vramfit.commands.scan_data import scan_data
 
     root = class_tree(tmp_path / "photos", {"a": 6, "b": 6}, size=(40, 40))  # 1600 pixels each
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # PIL warns above this, fails above 2x
@@ -145,7 +145,7 @@ def test_a_named_split_loads_for_evaluation_with_the_run_classes(tmp_path):
 
 
 def test_prepare_keeps_a_test_split_as_test_not_as_validation(tmp_path, capsys):
-    from vramfit.prepare import prepare
+    from vramfit.commands.prepare import prepare
 
     class_tree(tmp_path / "src" / "train", {"cat": 4, "dog": 4}, size=(12, 12))
     class_tree(tmp_path / "src" / "test", {"cat": 2, "dog": 1}, size=(12, 12), seed=2)

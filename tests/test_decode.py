@@ -1,4 +1,4 @@
-"""decode.py: every mode comes out RGB uint8, JPEG draft keeps the short side, bad input raises."""
+"""data/decode.py: every mode comes out RGB uint8, JPEG draft keeps the short side, bad input raises."""
 
 import io
 import struct
@@ -9,7 +9,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from helpers import encode
-from vramfit.decode import BACKGROUND_RGB, BadImage, decode_image, describe
+from vramfit.data.decode import BACKGROUND_RGB, BadImage, decode_image, describe
 
 
 def as_item(data: bytes) -> dict:

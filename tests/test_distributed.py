@@ -174,9 +174,9 @@ def _one_process(batches):
     from accelerate import Accelerator
 
     from vramfit.config import ModelConfig, OptimConfig
-    from vramfit.engine import TrainStep
-    from vramfit.models import create_model
-    from vramfit.optim import create_optimizer
+    from vramfit.models.create import create_model
+    from vramfit.train.optim import create_optimizer
+    from vramfit.train.step import TrainStep
 
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)

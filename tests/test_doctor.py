@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from vramfit import doctor as D
 from vramfit.cli import main, resolve_config, run
+from vramfit.commands import doctor as D
 
 GiB = 2**30
 

@@ -9,11 +9,11 @@ from helpers import HostReads
 
 from vramfit import batching
 from vramfit.config import ModelConfig, OptimConfig
-from vramfit.engine import MicroBatchExhausted, TrainStep
-from vramfit.models import create_model
-from vramfit.optim import create_optimizer
-from vramfit.resume import ResumePoint, resumed_micro_batch
-from vramfit.state import TrainerState
+from vramfit.models.create import create_model
+from vramfit.store.resume import ResumePoint, resumed_micro_batch
+from vramfit.train.optim import create_optimizer
+from vramfit.train.state import TrainerState
+from vramfit.train.step import MicroBatchExhausted, TrainStep
 
 
 def _setup(opt="adamw", seed=0):
@@ -134,7 +134,7 @@ def test_grad_reducer_buckets_order_and_unused_parameters(monkeypatch):
     launched during backward, in order; every gradient is doubled; a parameter no process used
     keeps grad None (so the optimizer skips it, as without the reducer); the flat buffers are
     allocated once and reused by every step."""
-    from vramfit import collectives
+    from vramfit.runtime import collectives
 
     launched = []
 
@@ -225,10 +225,10 @@ def test_micro_batch_rule(caplog):
 def test_thrashing_shrinks_but_never_fails_a_finished_step(monkeypatch, caplog):
     """The allocator had to free its cache to fit: the next step splits smaller; at micro-batch 1
     there is nothing smaller, so a warning, and the finished step stands."""
-    from vramfit import engine
+    from vramfit.train import step as train_step
 
     retries = iter(range(0, 1000, 1))
-    monkeypatch.setattr(engine, "_alloc_retries", lambda device: next(retries))
+    monkeypatch.setattr(train_step, "_alloc_retries", lambda device: next(retries))
     model, ocfg = _setup("sgd")
     _, losses, state = _train(model, ocfg, _data(4, 4), micro=2)
     assert [h["to"] for h in state.history] == [1] and state.micro_batch == 1
@@ -320,13 +320,13 @@ def test_running_statistics_move_per_step_however_the_step_is_split(per_step):
 
 
 def test_evaluation_reports_the_loss_of_the_step_maths_unsmoothed():
-    """One definition of the loss of a batch (engine.StepMaths.loss): evaluation reports it without
+    """One definition of the loss of a batch (train.step.StepMaths.loss): evaluation reports it without
     label smoothing, lr-find's criterion is its mean, and a loss changed there changes both."""
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from vramfit.engine import cross_entropy_sum, step_maths
-    from vramfit.validation import EvalState, evaluate
+    from vramfit.train.step import cross_entropy_sum, step_maths
+    from vramfit.train.validation import EvalState, evaluate
 
     model, _ = _setup()
     x, y = _data(1, 12)[0]

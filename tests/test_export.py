@@ -17,7 +17,7 @@ def run():
 
 @pytest.fixture(scope="module")
 def model(run):
-    from vramfit.trained import TrainedModel
+    from vramfit.commands.trained import TrainedModel
 
     return TrainedModel(run.path, device="cpu")
 
@@ -25,10 +25,10 @@ def model(run):
 @pytest.fixture(scope="module")
 def real_images(model):
     """32 validation images of the run, through the run's own eval transform."""
+    from vramfit.commands.eval import run_data_config
+    from vramfit.commands.trained import ColumnItems
     from vramfit.data import load_splits
-    from vramfit.decode import decode_image
-    from vramfit.evaluation import run_data_config
-    from vramfit.trained import ColumnItems
+    from vramfit.data.decode import decode_image
 
     splits = load_splits(run_data_config(model))
     items = ColumnItems(splits.val.select(range(32)), splits.image_column)
@@ -36,7 +36,7 @@ def real_images(model):
 
 
 def test_onnx_matches_torch_on_real_images(run, model, real_images, tmp_path):
-    from vramfit.export import check_onnx, export_run
+    from vramfit.commands.export import check_onnx, export_run
 
     written = export_run(run.path, ["onnx"], output=tmp_path)
     assert written["onnx"] == tmp_path / "model.onnx"
@@ -51,7 +51,7 @@ def test_onnx_matches_torch_on_real_images(run, model, real_images, tmp_path):
 def test_torchscript_and_safetensors_load_back(run, model, real_images, tmp_path):
     import timm
 
-    from vramfit.export import export_run
+    from vramfit.commands.export import export_run
 
     export_run(run.path, ["torchscript", "safetensors"], output=tmp_path)
     with torch.inference_mode():
@@ -66,8 +66,8 @@ def test_torchscript_and_safetensors_load_back(run, model, real_images, tmp_path
 
 def test_unknown_format_and_nothing_to_export(run, capsys):
     from vramfit.cli import main
+    from vramfit.commands.export import export_run
     from vramfit.errors import VramfitError
-    from vramfit.export import export_run
 
     with pytest.raises(SystemExit) as e:
         main(["export", "--run", str(run.path), "--format", "tflite"])
@@ -121,8 +121,8 @@ def test_push_to_hub_in_timm_format(run, model, tmp_path, monkeypatch, capsys):
 def test_push_failure_is_a_clear_error(run, monkeypatch):
     from huggingface_hub import HfApi
 
+    from vramfit.commands.export import export_run
     from vramfit.errors import VramfitError
-    from vramfit.export import export_run
 
     def offline(*a, **kw):
         raise ConnectionError("no route to huggingface.co")

@@ -81,8 +81,8 @@ def test_rehearse_leaves_no_trace():
     from accelerate import Accelerator
 
     from vramfit.config import ModelConfig
-    from vramfit.engine import TrainStep
-    from vramfit.models import create_model
+    from vramfit.models.create import create_model
+    from vramfit.train.step import TrainStep
 
     torch.manual_seed(0)
     model = create_model(ModelConfig(name="test_resnet"), 4, image_size=32)
@@ -110,7 +110,7 @@ def test_bad_probe_fraction_is_refused():
 def test_a_resume_keeps_a_smaller_chosen_micro_batch_without_probing(train_cli, fit_cache, monkeypatch, caplog):
     """Timing stands in here (the choice is what is tested): micro 8 of the share of 16 measures
     fastest. The checkpoint's micro-batch 8 is the fit's choice, not an out-of-memory reduction."""
-    from vramfit import fit
+    from vramfit.tuning import fit
 
     def timed(run, s, batches):
         fit.apply(run, s)
@@ -148,7 +148,7 @@ def test_compile_auto_is_probed_only_where_the_budget_pays_for_compiling(train_c
 
 
 def test_a_compilation_that_fails_leaves_the_eager_choice(train_cli, fit_cache, monkeypatch):
-    from vramfit import fit
+    from vramfit.tuning import fit
 
     def no_compiler(self, *a, **k):
         raise RuntimeError("no C++ compiler found")
@@ -174,7 +174,7 @@ def test_compile_auto_under_largest_is_off(train_cli, caplog):
 
 @pytest.mark.slow  # compiling test_resnet with inductor takes ~40 s on 2 CPU cores
 def test_a_probed_compilation_trains_as_the_chosen_settings_given_directly(train_cli, fit_cache, monkeypatch):
-    from vramfit import fit
+    from vramfit.tuning import fit
 
     monkeypatch.setattr(fit, "COMPILE_PROBE_SECONDS", float("-inf"))  # whatever the budget
     small = ("--set", "data.limit_train_samples=64", "--set", "data.limit_val_samples=32")
@@ -199,7 +199,7 @@ def test_a_staged_run_chooses_each_phases_micro_batch_and_resumes_bitwise_in_eit
     the whole network's phase resumes with its recorded choice (no probe), one cut at the end of the
     head phase chooses as the uninterrupted run did when the phase begins (from the cache); both end
     bitwise equal to the uninterrupted run. Timing stands in (the choice is what is tested)."""
-    from vramfit import fit
+    from vramfit.tuning import fit
 
     def timed(run, s, batches):
         fit.apply(run, s)
@@ -241,7 +241,7 @@ def test_a_signal_during_a_later_phases_probe_stops_it_and_the_run_saves(train_c
     import os
     import signal
 
-    from vramfit import fit
+    from vramfit.tuning import fit
 
     def timed(run, s, batches):
         fit.apply(run, s)
@@ -273,9 +273,9 @@ def test_a_signal_during_a_later_phases_probe_stops_it_and_the_run_saves(train_c
 def _size_picks(monkeypatch, pick):
     """A card's planner picks per image size, on a CPU: `pick(size)` (the micro-batch) at the sizes
     below the full one (the full size keeps the whole share of 16)."""
-    from vramfit import sizeplan
+    from vramfit.tuning import size_plans
 
-    monkeypatch.setattr(sizeplan, "size_pick", lambda run, phase, plan: lambda size: (pick(size), None))
+    monkeypatch.setattr(size_plans, "size_pick", lambda run, phase, plan: lambda size: (pick(size), None))
 
 
 def test_progressive_resizing_measures_each_fit_segment_and_resumes_bitwise(train_cli, fit_cache, monkeypatch):
@@ -284,9 +284,9 @@ def test_progressive_resizing_measures_each_fit_segment_and_resumes_bitwise(trai
     own batches, the choice held at every size of its segment. A run cut inside the 24 px segment
     or before it resumes without probing what its checkpoint holds and ends bitwise equal to the
     uninterrupted run."""
-    from vramfit import fit
     from vramfit.config import ProgressiveResize
-    from vramfit.resize import Schedule
+    from vramfit.data.progressive import Schedule
+    from vramfit.tuning import fit
 
     fastest = {16: 8, 24: 4, 32: 16}  # segment -> the micro-batch its batches measure fastest at
     seen = []
@@ -342,11 +342,12 @@ def test_a_fit_segment_too_short_to_measure_joins_the_one_before():
     micro-batch at each size; a new phase always begins its own segment."""
     from types import SimpleNamespace
 
-    from vramfit import batching, sizeplan
+    from vramfit import batching
     from vramfit.config import ProgressiveResize
-    from vramfit.phases import Phase
-    from vramfit.resize import Schedule
-    from vramfit.setup import Plan
+    from vramfit.data.progressive import Schedule
+    from vramfit.train.build import Plan
+    from vramfit.train.phases import Phase
+    from vramfit.tuning import size_plans
 
     head, whole = Phase("head", 0, 1, ("body",)), Phase("all", 1, 2, ())
     picks = {16: 16, 20: 16, 24: 8, 28: 8, 32: 4}
@@ -360,20 +361,21 @@ def test_a_fit_segment_too_short_to_measure_joins_the_one_before():
     # 9 at 24-28 and 14 at 32 in the whole network's.
     assert (steps[16], steps[20], steps[24] + steps[28], steps[32]) == (33, 4, 9, 14)
 
-    run.fit_segments = sizeplan.fit_segments(run, min_steps=3)
+    run.fit_segments = size_plans.fit_segments(run, min_steps=3)
     assert run.fit_segments == {("head", 16): 16, ("all", 16): 16, ("all", 20): 16, ("all", 24): 24,
                                 ("all", 28): 24, ("all", 32): 32}
-    assert sizeplan.segment_steps(run, whole, 24) == 9 and sizeplan.segment_steps(run, head, 16) == 30
-    run.fit_segments = sizeplan.fit_segments(run, min_steps=12)  # 9 steps at 24-28 px join 16-20 px's
+    assert size_plans.segment_steps(run, whole, 24) == 9 and size_plans.segment_steps(run, head, 16) == 30
+    run.fit_segments = size_plans.fit_segments(run, min_steps=12)  # 9 steps at 24-28 px join 16-20 px's
     assert [run.fit_segments[("all", s)] for s in (16, 20, 24, 28, 32)] == [16, 16, 16, 16, 32]
-    assert sizeplan.segment_steps(run, whole, 16) == 16 and sizeplan.segment_sizes(run, "all", 16) == [16, 20, 24, 28]
-    run.fit_segments = sizeplan.fit_segments(run, min_steps=31)  # a new phase begins its own segment anyway
+    assert size_plans.segment_steps(run, whole, 16) == 16
+    assert size_plans.segment_sizes(run, "all", 16) == [16, 20, 24, 28]
+    run.fit_segments = size_plans.fit_segments(run, min_steps=31)  # a new phase begins its own segment anyway
     assert run.fit_segments[("all", 16)] == 16 and run.fit_segments[("all", 32)] == 16
 
-    run.fit_segments = sizeplan.fit_segments(run, min_steps=12)
-    sizeplan.hold(run, whole, 16, 16, None)
+    run.fit_segments = size_plans.fit_segments(run, min_steps=12)
+    size_plans.hold(run, whole, 16, 16, None)
     assert [plans[("all", s)].micro.size for s in (16, 20, 24, 28, 32)] == [16, 16, 8, 8, 4]  # capped; 32 px untouched
-    sizeplan.hold(run, whole, 16, 4, 123)
+    size_plans.hold(run, whole, 16, 4, 123)
     assert [plans[("all", s)].micro.size for s in (16, 20, 24, 28)] == [4, 4, 4, 4]
     assert plans[("all", 16)].predicted_peak_bytes == 123 and plans[("all", 24)].micro.source == "fit: fastest"
     assert plans[("all", 24)].predicted_peak_bytes is None  # the planner's bound for its micro 8 (none here)

@@ -63,7 +63,7 @@ def test_the_progressive_bench_prices_the_schedules_steps_by_their_size():
     """bench/progressive.py's ceiling: every size the progressive run trained at is timed (one step
     at the micro-batch it trained at), priced against the full size's step, and the schedule's
     steps weighted by their count."""
-    from vramfit.resize import schedule_of
+    from vramfit.data.progressive import schedule_of
 
     cfg = build_config(None, ["model.name=test_resnet", "data.image_size=32", "train.global_batch=16",
                               "data.progressive_resize=true"])

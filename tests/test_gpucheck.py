@@ -3,7 +3,7 @@ the usual reasons it is and the fix; `hardware.allow_cpu` trains anyway."""
 import pytest
 import torch
 
-from vramfit.gpucheck import driver_too_old, no_gpu_reason
+from vramfit.runtime.gpucheck import driver_too_old, no_gpu_reason
 
 
 @pytest.mark.parametrize("cuda, visible, driver, said", [

@@ -12,10 +12,10 @@ import yaml
 from safetensors.torch import load_file
 
 from helpers import class_tree, tiny_args, train_args
-from vramfit import checkpoint
 from vramfit.config import EXECUTION_ONLY, Config, execution_group, flat, maths_settings
 from vramfit.errors import VramfitError
-from vramfit.launch import forget
+from vramfit.runtime.launch import forget
+from vramfit.store import checkpoint
 
 
 # Two epochs of six steps: long enough to stop, resume and change in, short enough for the suite.
@@ -133,8 +133,8 @@ def test_every_execution_only_entry_names_settings_that_exist():
 
 
 def test_a_checkpoint_that_does_not_record_its_settings_is_not_resumed_unsaid(tmp_path):
-    from vramfit import resume
-    from vramfit.state import TrainerState
+    from vramfit.store import resume
+    from vramfit.train.state import TrainerState
 
     point = resume.ResumePoint(tmp_path / "run" / "checkpoints" / "step-3", TrainerState(global_step=3))
     cfg = Config()

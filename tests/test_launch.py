@@ -10,7 +10,8 @@ import torch
 
 from helpers import REPO, readme_launch, wait_for_lines
 
-PROBE = "import torch\nfrom vramfit.launch import set_threads\nprint('THREADS', set_threads(1), torch.get_num_threads())\n"
+PROBE = ("import torch\nfrom vramfit.runtime.launch import set_threads\n"
+         "print('THREADS', set_threads(1), torch.get_num_threads())\n")
 
 
 def _launch(tmp_path, env, *args):
@@ -58,7 +59,7 @@ def test_killing_the_launcher_saves_and_the_rerun_resumes_bitwise(tmp_path, trai
     from safetensors.torch import load_file
 
     from helpers import tiny_args
-    from vramfit import checkpoint
+    from vramfit.store import checkpoint
 
     args = [*tiny_args("--set", "train.log_every_steps=1", "--set", "data.limit_train_samples=240"),
             "--output", str(tmp_path / "runs"), "--run-name", "k"]
@@ -96,7 +97,7 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_rerun_resumes_bitwis
     from safetensors.torch import load_file
 
     from helpers import tiny_args
-    from vramfit import checkpoint
+    from vramfit.store import checkpoint
 
     def cmd(name):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -132,7 +133,7 @@ def test_python_dash_m_vramfit_and_its_version():
 
 def _gomp(env_extra: dict, code: str):
     """libgomp's own account of its settings (OMP_DISPLAY_ENV prints them when it loads)."""
-    from vramfit.openmp import USER_KEYS
+    from vramfit.runtime.openmp import USER_KEYS
 
     env = {k: v for k, v in os.environ.items() if k not in USER_KEYS}
     proc = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_DISPLAY_ENV": "VERBOSE", **env_extra},
@@ -164,7 +165,7 @@ def test_the_command_line_sets_the_wait_and_an_import_sets_nothing():
     """The rule is the entry's (cli.main: `vramfit`, `python -m vramfit`, train.py), before torch
     loads; a script that imports vramfit keeps its environment as it was."""
     code = ("import os; before = dict(os.environ)\n"
-            "import vramfit, vramfit.cli, vramfit.openmp\n"
+            "import vramfit, vramfit.cli, vramfit.runtime.openmp\n"
             "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
             "try:\n    vramfit.cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
             "import torch; torch.ones(2)")
@@ -187,7 +188,7 @@ class _BusyItems(torch.utils.data.Dataset):
 
 @pytest.mark.skipif(not hasattr(signal, "SIGTSTP"), reason="POSIX job control")
 def test_a_loader_worker_stopped_mid_sample_and_continued_keeps_loading():
-    """Ctrl-Z reaches the trainer's group (its loader workers with it), and terminal.py stops the
+    """Ctrl-Z reaches the trainer's group (its loader workers with it), and runtime/terminal.py stops the
     whole job and continues it on `fg`/`bg`. A worker that was in a long C call then must go on
     loading: with the trainer's Python Ctrl-Z handler inherited through fork, it would run that
     handler once continued, stop itself for good, and the trainer would wait on it forever."""
@@ -270,7 +271,7 @@ def test_ctrl_c_and_ctrl_z_under_accelerate_launch_in_a_terminal(tmp_path, worke
     import psutil
 
     from helpers import tiny_args
-    from vramfit import checkpoint
+    from vramfit.store import checkpoint
 
     run = tmp_path / "runs" / "k"
     launch = readme_launch()

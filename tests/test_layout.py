@@ -68,3 +68,19 @@ def test_no_import_of_another_modules_private_names():
                if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").split(".")[0] in ("vramfit", "conftest"))
                for a in n.names if a.name.startswith("_")]
     assert not private
+
+
+MAX_TOP_MODULES = 12
+
+
+def test_few_modules_at_the_top_of_the_package():
+    """The folders show the architecture: a module lives in the sub-package of its concern, and only
+    what every layer shares (and the entry) stays at the top."""
+    top = sorted(p.name for p in (SRC / "vramfit").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def test_every_sub_package_says_what_it_holds():
+    silent = [p.parent.name for p in sorted((SRC / "vramfit").glob("*/__init__.py"))
+              if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not silent

@@ -40,7 +40,7 @@ def test_a_resume_says_what_its_micro_batch_changed_and_plan_json_follows(train_
     plan = json.loads((run_dir / "plan.json").read_text())
     assert (plan["micro_batch"], plan["grad_accum_steps"]) == (4, 4)
     # Throughput and wall time cover both segments of the run, not only the resumed one.
-    from vramfit import checkpoint
+    from vramfit.store import checkpoint
 
     state = checkpoint.read_state(checkpoint.latest(run_dir / "checkpoints"))
     assert state["train_samples"] == 480 and state["train_seconds"] > 0
@@ -139,9 +139,9 @@ def test_a_full_disk_mid_save_says_so_keeps_the_last_checkpoint_and_resumes_bitw
     from safetensors.torch import load_file
 
     from _trained_runs import trained_run
-    from vramfit import checkpoint
     from vramfit.cli import main
-    from vramfit.launch import forget
+    from vramfit.runtime.launch import forget
+    from vramfit.store import checkpoint
 
     args = tiny_args("--set", "checkpoint.every_steps=10")
     with small_disk(tmp_path / "disk", "7m") as disk:
@@ -195,7 +195,7 @@ def test_a_file_size_limit_mid_save_says_so_and_leaves_no_half_checkpoint(tmp_pa
 
 
 def test_the_data_identity_sees_new_files_under_the_same_path(tmp_path):
-    from vramfit.resume import data_identity
+    from vramfit.store.resume import data_identity
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "1.png").write_bytes(b"x" * 10)
@@ -210,9 +210,10 @@ def test_a_fixed_micro_batch_that_will_not_fit_is_said_at_start_with_one_that_do
     not fit and names the planner's fitting value; `auto` says its pick and predicted peak."""
     from types import SimpleNamespace
 
-    from vramfit import batching, setup
+    from vramfit import batching
     from vramfit.config import Config
-    from vramfit.precision import resolve
+    from vramfit.runtime.precision import resolve
+    from vramfit.train import build
 
     StandInCard(monkeypatch, 12 * 2**30)
     cfg = Config.model_validate({"model": {"name": "resnet50"}, "data": {"image_size": 224},
@@ -220,12 +221,12 @@ def test_a_fixed_micro_batch_that_will_not_fit_is_said_at_start_with_one_that_do
     L = SimpleNamespace(device_type="cuda", acc=SimpleNamespace(device="cuda:0"), world=1,
                         precision=resolve("bf16", "cuda", bf16_supported=True))
     mb = batching.resolve_micro_batch(256, 256)
-    (note,) = setup.fit_notes(cfg, L, 10, mb, 40 * 2**30)
+    (note,) = build.fit_notes(cfg, L, 10, mb, 40 * 2**30)
     assert "micro-batch 256 is predicted to need 40.00 GiB" in note and "--micro-batch " in note
     fits = int(note.split("--micro-batch ")[1].split()[0])
     assert 16 <= fits < 256
     auto = batching.resolve_micro_batch("auto", 256, pick=lambda share: fits)
-    (said,) = setup.fit_notes(cfg, L, 10, auto, 9 * 2**30)
+    (said,) = build.fit_notes(cfg, L, 10, auto, 9 * 2**30)
     assert f"micro-batch {fits} picked for this card: predicted peak 9.00 GiB" in said
 
 
@@ -280,7 +281,7 @@ def test_in_a_terminal_a_log_line_prints_once_above_the_bar(capsys):
     the console handler they would otherwise also reach is set aside for the epoch."""
     import sys
 
-    from vramfit.progress import Progress
+    from vramfit.train.progress import Progress
 
     root = logging.getLogger()
     console = logging.StreamHandler(sys.stderr)  # as logging.basicConfig makes it, on today's stderr

@@ -4,8 +4,8 @@ import io
 import torch
 from PIL import Image
 
-from vramfit import lrfind
 from vramfit.cli import parser
+from vramfit.commands import lr_find
 from vramfit.config import build_config
 
 
@@ -19,8 +19,8 @@ def test_lr_find_on_the_quickstart(tmp_path, monkeypatch, capsys):
         kept["model"], kept["before"] = run.model, {k: v.clone() for k, v in run.model.state_dict().items()}
         return run, batches
 
-    build_run = lrfind.build
-    monkeypatch.setattr(lrfind, "build", build)
+    build_run = lr_find.build
+    monkeypatch.setattr(lr_find, "build", build)
     torch.manual_seed(0)
     cfg = build_config("quickstart")
     out = io.StringIO()
@@ -29,7 +29,8 @@ def test_lr_find_on_the_quickstart(tmp_path, monkeypatch, capsys):
     # threads then wait on each other at every op).
     torch.set_num_threads(1)
     try:
-        r = lrfind.lr_find(cfg, num_iter=50, start_lr=1e-4, end_lr=1.0, plot_path=tmp_path / "lr.png", out=out)
+        r = lr_find.lr_find(cfg, num_iter=50, start_lr=1e-4, end_lr=1.0, plot_path=tmp_path / "lr.png",
+                            out=out)
     finally:
         torch.set_num_threads(threads)
     assert r["recipe_lr"] == 0.002 and r["global_batch"] == 64
@@ -49,7 +50,7 @@ def test_suggestion_is_a_tenth_of_the_smoothed_minimum():
     lrs = [10 ** (-4 + i / 10) for i in range(30)]
     losses = [2.0 - 0.05 * i if i < 20 else 1.0 + 0.3 * (i - 20) for i in range(30)]  # minimum at i = 20
     losses[5] = 0.1  # one lucky batch at a low LR is not the minimum
-    assert lrs[12] / 10 <= lrfind.suggest(lrs, losses) <= lrs[21] / 10
+    assert lrs[12] / 10 <= lr_find.suggest(lrs, losses) <= lrs[21] / 10
 
 
 def test_the_command_line_takes_lr_find():

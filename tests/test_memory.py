@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import StandInCard, tiny_args
-from vramfit import checkpoint
 from vramfit.errors import VramfitError
-from vramfit.memory import cached, search, store
+from vramfit.store import checkpoint
+from vramfit.tuning.probe import cached, search, store
 
 
 def _weights(run_dir):
@@ -85,7 +85,7 @@ def test_auto_on_cpu_runs_the_whole_share(train_cli):
 def test_auto_plans_for_the_memory_other_processes_leave(tmp_path, monkeypatch, caplog):
     """A 12 GiB card where another process holds 10 GiB: `auto` plans for what is left and says why."""
     from vramfit.config import Config
-    from vramfit.memory import auto_micro_batch
+    from vramfit.tuning.probe import auto_micro_batch
 
     monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path))
     card = StandInCard(monkeypatch, 12 * 2**30, name="Fake 12GB")
@@ -107,11 +107,11 @@ def test_every_pick_on_a_card_is_made_against_one_budget(monkeypatch):
     an allocator capped to a smaller card: the fit must not probe a micro-batch the start ruled out)."""
     from types import SimpleNamespace
 
-    from vramfit import fit, sizeplan
     from vramfit.batching import MicroBatch
     from vramfit.config import Config
-    from vramfit.memory import card_budget_bytes
     from vramfit.planner import reported_total_bytes
+    from vramfit.tuning import fit, size_plans
+    from vramfit.tuning.probe import card_budget_bytes
 
     gib, total = 2**30, 80 * 2**30
     card = StandInCard(monkeypatch, total)
@@ -138,10 +138,10 @@ def test_every_pick_on_a_card_is_made_against_one_budget(monkeypatch):
     cand = SimpleNamespace(predicted_peak_bytes=expected + 1)
     assert not fit.fits(run, cand) and fit.fits(run, SimpleNamespace(predicted_peak_bytes=expected))
     seen = {}
-    monkeypatch.setattr(sizeplan, "planner_pick", lambda *a: seen.setdefault("budget", a[3]))
+    monkeypatch.setattr(size_plans, "planner_pick", lambda *a: seen.setdefault("budget", a[3]))
     phase = SimpleNamespace(config=lambda c: c)
     plan = SimpleNamespace(micro=MicroBatch(size=32, per_process_batch=64, source="auto: planner"))
-    sizeplan.size_pick(run, phase, plan)
+    size_plans.size_pick(run, phase, plan)
     assert seen["budget"] == expected
 
 
@@ -163,11 +163,11 @@ def test_resume_continues_at_the_micro_batch_the_run_came_down_to(train_cli):
 
 
 def test_without_a_card_the_budget_is_the_recipes_card_by_the_same_rule():
-    """memory.card_budget_bytes is every run's budget: on a CPU launch it is the recipe's card less
+    """tuning.probe.card_budget_bytes is every run's budget: on a CPU launch it is the recipe's card less
     the margin, taken where `vramfit plan` takes it (planner.budget_bytes_for)."""
     from vramfit.config import Config
-    from vramfit.memory import card_budget_bytes
     from vramfit.planner import budget_bytes_for, reported_total_bytes
+    from vramfit.tuning.probe import card_budget_bytes
 
     cfg = Config.model_validate({"hardware": {"memory_gib": 12, "safety_margin": 0.1}})
     assert card_budget_bytes(cfg, torch.device("cpu")) == budget_bytes_for(cfg) == int(reported_total_bytes(12) * 0.9)

@@ -6,7 +6,7 @@ from safetensors.torch import save_file
 
 from vramfit.config import ModelConfig
 from vramfit.errors import VramfitError
-from vramfit.models import create_model
+from vramfit.models.create import create_model
 
 
 def test_pretrained_path_loads_backbone_and_resizes_head(tmp_path):
@@ -56,7 +56,7 @@ def test_an_unreadable_weight_file_is_named(tmp_path):
 
     # Permission bits do not bind root: read it as a user without the override capabilities.
     code = ("from vramfit.config import ModelConfig\nfrom vramfit.errors import VramfitError\n"
-            "from vramfit.models import create_model\n"
+            "from vramfit.models.create import create_model\n"
             f"try:\n    create_model(ModelConfig(name='test_resnet', pretrained_path={str(f)!r}), 3)\n"
             "except VramfitError as e:\n    print(e.message)\n")
     proc = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable,
@@ -65,7 +65,7 @@ def test_an_unreadable_weight_file_is_named(tmp_path):
 
 
 def test_local_dir_model_builds_offline(tmp_path):
-    from vramfit.models import data_config, export
+    from vramfit.models.create import data_config, export
 
     src = create_model(ModelConfig(name="resnet18", pretrained=False), num_classes=4, load_weights=False)
     export(src, tmp_path / "m", ["a", "b", "c", "d"], data_config(src, 64))
@@ -108,7 +108,7 @@ def test_channels_last_and_non_contiguous_weights_export_in_the_default_layout(t
     trains. Strided: a transposed-in-memory classifier weight."""
     from safetensors.torch import load_file
 
-    from vramfit.models import data_config, export
+    from vramfit.models.create import data_config, export
 
     model = create_model(ModelConfig(name="test_resnet", channels_last=True), num_classes=4, load_weights=False)
     model.fc.weight = torch.nn.Parameter(model.fc.weight.detach().t().contiguous().t())

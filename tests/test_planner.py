@@ -71,12 +71,12 @@ def test_mlp_backward_peak_matches_hand_count():
 
 
 def test_the_plan_follows_the_step_the_trainer_runs(monkeypatch):
-    """The planner traces engine.StepMaths, the step definition TrainStep runs: a loss that keeps
+    """The planner traces train.step.StepMaths, the step definition TrainStep runs: a loss that keeps
     a wider fp32 log-softmax for its backward moves the plan by at least what it keeps, with no
     change to the planner."""
     import torch.nn.functional as F
 
-    from vramfit import engine
+    from vramfit.train import step
 
     B, C, WIDEN = 8, 1000, 64
     cfg = cfg_of(model={"name": "test_resnet"}, data={"image_size": 32}, train={"global_batch": B, **NO_EXTRAS})
@@ -86,8 +86,8 @@ def test_the_plan_follows_the_step_the_trainer_runs(monkeypatch):
 
     P.clear_profiles()
     before = P.estimate(cfg, C, B)
-    monkeypatch.setattr(engine, "cross_entropy_sum", keeps_more)
-    assert engine.step_maths(cfg.train).loss_fn is keeps_more  # what TrainStep is built with (setup)
+    monkeypatch.setattr(step, "cross_entropy_sum", keeps_more)
+    assert step.step_maths(cfg.train).loss_fn is keeps_more  # what TrainStep is built with (train.build)
     P.clear_profiles()
     after = P.estimate(cfg, C, B)
     P.clear_profiles()
@@ -168,10 +168,10 @@ def test_peak_monotonic_and_knobs_lower_it(name, size):
 def test_breakdown_matches_the_real_model_on_cpu():
     """The trace against the real model, by other means: parameters, buffers and AdamW state counted
     from the real module, and the activations from a real CPU forward of the step the trainer runs
-    (engine.StepMaths, called here, not written again) whose saved tensors are collected with
+    (train.step.StepMaths, called here, not written again) whose saved tensors are collected with
     autograd's saved-tensor hooks (fp32 CPU kernels save what the fake ones do)."""
-    from vramfit.engine import step_maths
-    from vramfit.models import create_model
+    from vramfit.models.create import create_model
+    from vramfit.train.step import step_maths
 
     B, S = 8, 64
     cfg = cfg_of(model={"name": "test_resnet"}, data={"image_size": S}, train={"global_batch": 64, "precision": "no"})
@@ -230,8 +230,8 @@ def test_accumulation_frozen_layers_and_ddp():
 def test_two_processes_add_exactly_the_gradient_reducers_buckets(freeze, monkeypatch):
     """With 2 processes the gradients line holds the gradients + what collectives.GradReducer
     allocates for the same trainable parameters (built here as on 2 processes, and measured)."""
-    from vramfit import collectives
-    from vramfit.models import create_model
+    from vramfit.models.create import create_model
+    from vramfit.runtime import collectives
 
     cfg = cfg_of(model={"name": "test_resnet", "freeze": freeze}, data={"image_size": 32},
                  train={"global_batch": 16, "precision": "no"})
@@ -362,7 +362,7 @@ def test_plan_gives_progressive_resizing_a_micro_batch_per_size():
     """`vramfit plan` with data.progressive_resize: every size the run may train at, with the
     micro-batch the run would take there (larger at the small sizes, where more images fit the card;
     never below the full size's) and the peak that bounds it, within the budget."""
-    from vramfit.resize import possible_sizes
+    from vramfit.data.progressive import possible_sizes
 
     cfg = cfg_of(model={"name": "resnet18"}, data={"image_size": 64, "progressive_resize": True},
                  train={"global_batch": 1024, "micro_batch": "auto"}, hardware={"memory_gib": 3})

@@ -1,9 +1,9 @@
-"""One rule turns the precision a run asks for into the one it runs with (vramfit.precision), and
+"""One rule turns the precision a run asks for into the one it runs with (vramfit.runtime.precision), and
 every consumer says what ran: the launch, the planner, lr-find, summary.json, the run name."""
 import pytest
 
 from vramfit.errors import VramfitError
-from vramfit.precision import planned, requested_name, resolve
+from vramfit.runtime.precision import planned, requested_name, resolve
 
 
 @pytest.mark.parametrize("asked, device, bf16, runs, noted", [
@@ -38,9 +38,9 @@ def test_auto_is_a_rule_of_the_card_never_a_measurement(monkeypatch):
 
     import torch
 
-    from vramfit import fit
     from vramfit.config import Config
-    from vramfit.precision import here
+    from vramfit.runtime.precision import here
+    from vramfit.tuning import fit
 
     def no_measure(*_):
         raise AssertionError("the precision was measured")
@@ -79,7 +79,7 @@ def test_a_cpu_run_says_fp32_where_auto_was_asked():
     import json
 
     from _trained_runs import trained_run
-    from vramfit import checkpoint
+    from vramfit.store import checkpoint
 
     run = trained_run("a")
     if not run.real:
@@ -93,8 +93,8 @@ def test_a_cpu_run_says_fp32_where_auto_was_asked():
 
 def test_the_default_run_name_holds_what_runs():
     from vramfit.config import build_config
-    from vramfit.precision import here
-    from vramfit.runfolder import RunPaths
+    from vramfit.runtime.precision import here
+    from vramfit.store.runfolder import RunPaths
 
     cfg = build_config("quickstart")
     assert cfg.train.precision == "auto"

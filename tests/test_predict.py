@@ -33,9 +33,9 @@ def _main(argv, capsys):
 
 
 def _val_split(run_dir):
+    from vramfit.commands.eval import run_data_config
+    from vramfit.commands.trained import TrainedModel
     from vramfit.data import load_splits
-    from vramfit.evaluation import run_data_config
-    from vramfit.trained import TrainedModel
 
     return load_splits(run_data_config(TrainedModel(run_dir, device="cpu")))
 
@@ -58,7 +58,7 @@ def test_eval_writes_report_and_confusion_png(run, evaluated):
 def test_predict_on_validation_images_agrees_with_eval(run, evaluated, capsys):
     from vramfit.cli import run as cli
 
-    from vramfit.trained import ColumnItems
+    from vramfit.commands.trained import ColumnItems
 
     splits = _val_split(run.path)
     files = [item["path"] for item in ColumnItems(splits.val, splits.image_column)]
@@ -145,7 +145,7 @@ def test_loader_workers_give_the_same_scores(run):
     """Workers decode on a GPU machine: the same logits, in input order, unreadable ones listed."""
     import torch
 
-    from vramfit.trained import ColumnItems, TrainedModel
+    from vramfit.commands.trained import ColumnItems, TrainedModel
 
     tm = TrainedModel(run.path, device="cpu")
     splits = _val_split(run.path)

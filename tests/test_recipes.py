@@ -34,9 +34,9 @@ def family(model_name: str) -> str:
 
 
 def backbone_settings(tree: dict) -> list[str]:
-    """What vramfit.backbones gives the recipe's own model (drop-path, the LR), as `--set`s that a
+    """What vramfit.models.backbones gives the recipe's own model (drop-path, the LR), as `--set`s that a
     tiny stand-in keeps; the image size is the test's."""
-    from vramfit.backbones import fill_backbone_defaults
+    from vramfit.models.backbones import fill_backbone_defaults
 
     filled = fill_backbone_defaults(tree)
     return [arg for section in ("model", "optim") for key, value in filled.get(section, {}).items()

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import tiny_args, wait_for_lines
-from vramfit import checkpoint
+from vramfit.store import checkpoint
 
 
 def _weights(run_dir):
@@ -44,7 +44,7 @@ def reference(tmp_path_factory):
     except SystemExit as e:
         code = e.code
     assert code == 0
-    from vramfit.launch import forget
+    from vramfit.runtime.launch import forget
 
     forget()
     return out / "ref"
@@ -313,7 +313,7 @@ def test_a_second_run_into_a_held_run_folder_stops_naming_the_first(tmp_path, tr
     """The same command started twice: the second exits 2 at once, naming the run that holds the
     folder, and writes nothing into it; once the first ends (here: killed) the folder is free."""
     from vramfit.cli import main
-    from vramfit.runfolder import RunPaths
+    from vramfit.store.runfolder import RunPaths
 
     lock = RunPaths.at(tmp_path / "runs" / "twice").lock
     lock.parent.mkdir(parents=True)

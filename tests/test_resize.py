@@ -12,8 +12,8 @@ from helpers import metrics, tiny_args
 from safetensors.torch import load_file
 
 from vramfit.config import Config, ProgressiveResize
-from vramfit.resize import Schedule, possible_sizes
-from vramfit.planner.sizes import bisect_sizes, planner_pick
+from vramfit.data.progressive import Schedule, possible_sizes
+from vramfit.planner.size_picks import bisect_sizes, planner_pick
 
 RESIZE = ("--set", "data.progressive_resize=true", "--epochs", "2")
 
@@ -85,7 +85,7 @@ def test_a_backbone_that_takes_one_size_is_refused_with_the_fix(tmp_path, capsys
 
 
 def test_a_vit_is_given_timms_dynamic_size():
-    from vramfit.models import any_size_kwargs
+    from vramfit.models.create import any_size_kwargs
 
     assert any_size_kwargs("vit_tiny_patch16_224") == {"dynamic_img_size": True, "dynamic_img_pad": True}
     assert any_size_kwargs("resnet50") == {}

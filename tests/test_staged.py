@@ -12,9 +12,9 @@ import torch
 from helpers import tiny_args
 from safetensors.torch import load_file, save_file
 
-from vramfit import freezing
 from vramfit.config import Config, ModelConfig, OptimConfig
-from vramfit.models import create_model
+from vramfit.models import freezing
+from vramfit.models.create import create_model
 
 STEPS = 10  # 160 training images / global batch 16
 
@@ -113,7 +113,7 @@ def test_staged_run_resumed_in_either_phase_is_bitwise_identical(train_cli, stag
 def test_layer_decay_gives_each_parameter_timms_lr():
     from timm.optim import param_groups_layer_decay
 
-    from vramfit.optim import create_optimizer, create_scheduler
+    from vramfit.train.optim import create_optimizer, create_scheduler
 
     model = timm.create_model("resnet18", num_classes=4)
     cfg = OptimConfig(lr=1e-3, layer_decay=0.6, warmup_epochs=0, schedule="constant")
@@ -132,7 +132,7 @@ def test_layer_decay_gives_each_parameter_timms_lr():
 
 
 def test_unfreeze_warmup_ramps_the_rest_and_not_the_head():
-    from vramfit.optim import Schedule, create_optimizer, create_scheduler, head_lr
+    from vramfit.train.optim import Schedule, create_optimizer, create_scheduler, head_lr
 
     model = timm.create_model("test_resnet", num_classes=4)
     cfg = OptimConfig(lr=1e-2, warmup_epochs=0, schedule="constant", unfreeze_warmup_epochs=1.0)
@@ -254,7 +254,7 @@ def _statistics_model():
 def _recalibrate(model, batches, stop=None, labels=None):
     from types import SimpleNamespace
 
-    from vramfit.validation import EvalState, recalibrate_batchnorm
+    from vramfit.train.validation import EvalState, recalibrate_batchnorm
 
     acc = SimpleNamespace(device=torch.device("cpu"))
     labels = labels or [torch.zeros(len(x), dtype=torch.long) for x in batches]
@@ -307,7 +307,7 @@ def test_precise_bn_is_an_equal_weight_average_and_leaves_frozen_norms_alone():
 
 
 def test_precise_bn_interrupted_puts_the_statistics_back():
-    from vramfit.engine import StepInterrupted
+    from vramfit.train.step import StepInterrupted
 
     model = _statistics_model()
     before = {k: b.clone() for k, b in model.state_dict().items()}

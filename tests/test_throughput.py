@@ -55,9 +55,9 @@ def test_throughput_bench_prints_a_ratio(capsys, tmp_path):
 def test_the_bench_times_each_real_step_and_misses_below_the_target(capsys, monkeypatch):
     """A stand-in clock that moves only when a step runs: 0.5 s a plain step, 0.625 s a vramfit
     step. Each loop runs its warm-up, then its timed blocks, interleaved in swapping order; the
-    vramfit loop runs the trainer's own step (engine.TrainStep); images/s is the batch over the
+    vramfit loop runs the trainer's own step (train.step.TrainStep); images/s is the batch over the
     step's time (8 / 0.5 = 16.0 and 12.8), ratio 0.80: MISSED, exit 1."""
-    from vramfit import engine
+    from vramfit.train import step as train_step
 
     bench = load_bench()
     clock, calls, cost = [0.0], [], {"plain": 0.5, "vramfit": 0.625}
@@ -74,8 +74,8 @@ def test_the_bench_times_each_real_step_and_misses_below_the_target(capsys, monk
     monkeypatch.setattr(bench, "build_ours", lambda *a: _timed_ours(build_ours, timed, *a))
     monkeypatch.setattr(bench, "build_plain", lambda *a: timed("plain", build_plain(*a)))
     trainer_steps = []
-    real_call = engine.TrainStep.__call__
-    monkeypatch.setattr(engine.TrainStep, "__call__",
+    real_call = train_step.TrainStep.__call__
+    monkeypatch.setattr(train_step.TrainStep, "__call__",
                         lambda self, *a, **k: (trainer_steps.append(1), real_call(self, *a, **k))[1])
     assert run_bench(bench, []) == 1
     out = capsys.readouterr().out

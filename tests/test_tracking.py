@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from helpers import REPO, tiny_args
-from vramfit.launch import forget
+from vramfit.runtime.launch import forget
 
 CLASSES = [str(i) for i in range(10)]
 
@@ -121,7 +121,7 @@ def test_offline_wandb_run_holds_config_metrics_eval_views_and_summary(tracked):
 
 def test_resumed_run_appends_to_the_same_wandb_run(tracked):
     """The W&B run id is kept in the checkpoint: the resumed segment is the same W&B run."""
-    from vramfit import checkpoint
+    from vramfit.store import checkpoint
 
     run_dir, run_id, first, second = tracked
     assert first.name.endswith(run_id) and second.name.endswith(run_id)
@@ -149,7 +149,7 @@ def test_metrics_jsonl_names_its_figures_as_the_trackers_do(tracked):
 
 
 def test_run_folders_of_earlier_versions_read_under_todays_names(tmp_path):
-    from vramfit.tracking import read_metrics
+    from vramfit.store.tracking import read_metrics
 
     f = tmp_path / "metrics.jsonl"
     f.write_text('{"step": 1, "time": 0.5, "kind": "train", "epoch": 0, "loss": 2.3, "lr": 0.1, '
@@ -191,7 +191,7 @@ def test_tensorboard_is_a_second_tracker(tracked):
 def test_tracker_setting():
     from vramfit.config import build_config
     from vramfit.errors import VramfitError
-    from vramfit.tracking import tracker_names
+    from vramfit.store.tracking import tracker_names
 
     assert tracker_names("none") == [] and tracker_names("wandb") == ["wandb"]
     assert tracker_names("wandb,tensorboard") == ["wandb", "tensorboard"]
@@ -202,7 +202,7 @@ def test_tracker_setting():
 
 def test_dataset_group_and_tags(tmp_path):
     from vramfit.config import build_config
-    from vramfit.tracking import dataset_group, run_tags
+    from vramfit.store.tracking import dataset_group, run_tags
 
     (tmp_path / "flowers").mkdir()
     assert dataset_group(str(tmp_path / "flowers")) == "flowers"
@@ -215,7 +215,7 @@ def test_dataset_group_and_tags(tmp_path):
 
 
 def test_misclassified_are_the_most_confident_mistakes():
-    from vramfit.metrics import misclassified
+    from vramfit.store.accuracy import misclassified
 
     logits = torch.tensor([[5.0, 0.0], [0.0, 1.0], [0.0, 9.0], [3.0, 0.0]])
     labels = torch.tensor([0, 0, 0, 1])
@@ -255,7 +255,7 @@ def test_sweep_runs_every_grid_point_with_its_own_run_folder(tmp_path):
 
 
 def test_the_record_continues_from_the_checkpoint_and_a_fresh_start_keeps_the_old_aside(tmp_path):
-    from vramfit.tracking import continue_record
+    from vramfit.store.tracking import continue_record
 
     f = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "kind": "train", "loss": 1.0 / s}) for s in (1, 2, 3, 4)]

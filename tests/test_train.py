@@ -204,7 +204,7 @@ def test_bad_input_is_one_paragraph_not_a_traceback(bad_inputs, tmp_path, case, 
 def test_compare_lines_runs_up(quickstart, tmp_path, capsys):
     import shutil
 
-    from vramfit.compare import compare
+    from vramfit.commands.compare import compare
     from vramfit.errors import VramfitError
 
     run_dir, _, _ = quickstart

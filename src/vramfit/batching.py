@@ -103,7 +103,7 @@ def smaller_micro_batch(micro_batch: int) -> int:
 
 @dataclass
 class InEffect:
-    """The micro-batch a run executes with now: the one object the step splits by (engine.TrainStep),
+    """The micro-batch a run executes with now: the one object the step splits by (train.step.TrainStep),
     the fit measures from and sets (fit.apply), the loop moves from plan to plan (`enter`) and the
     checkpoint saves (trainer_state.json `micro_batch`, `oom_retries`: state.TrainerState)."""
 

@@ -258,12 +258,12 @@ def _config(ns):
 
 def resolve_config(recipe: str | None = None, sets: list[str] | None = None, flags: dict | None = None):
     """`config.build_config`, with `--recipe auto` first resolved here (the recipe for this
-    machine's card, with its overrides: vramfit.doctor), so that the config layer never looks at
+    machine's card, with its overrides: vramfit.commands.doctor), so that the config layer never looks at
     the hardware."""
     from .config import build_config
 
     if recipe == "auto":
-        from .doctor import resolve_auto
+        from .commands.doctor import resolve_auto
 
         recipe, sets = resolve_auto(list(sets or []))
     return build_config(recipe, sets, flags)
@@ -285,7 +285,7 @@ def run(argv: list[str]) -> int:
     if ns.command in ("train", "eval", "predict", "scan-data", "prepare", "lr-find", "doctor"):
         _writable_caches(ns)
     if ns.command == "train":
-        from .run import train
+        from .train.run import train
 
         train(_config(ns))
         return 0
@@ -309,43 +309,43 @@ def run(argv: list[str]) -> int:
                  as_json=ns.json)
         return 0
     if ns.command == "scan-data":
-        from .scan import scan_data
+        from .commands.scan_data import scan_data
 
         return scan_data(_data_config(ns))
     if ns.command == "compare":
-        from .compare import compare
+        from .commands.compare import compare
 
         compare(ns.runs, ns.sort, ns.json, plot_path=ns.plot, csv_path=ns.csv, wide=ns.wide)
         return 0
     if ns.command == "eval":
-        from .evaluation import evaluate_run
+        from .commands.eval import evaluate_run
 
         evaluate_run(ns.run, ns.data, ns.split, batch_size=ns.batch_size)
         return 0
     if ns.command == "predict":
-        from .predict import predict
+        from .commands.predict import predict
 
         predict(ns.run, ns.images, k=ns.top_k, fmt=ns.fmt or "table", batch_size=ns.batch_size)
         return 0
     if ns.command == "export":
-        from .export import export_run
+        from .commands.export import export_run
 
         export_run(ns.run, ns.format, ns.output, push_to_hub=ns.push_to_hub, private=ns.private)
         return 0
     if ns.command == "prepare":
-        from .prepare import prepare
+        from .commands.prepare import prepare
 
         prepare(_data_config(ns), ns.output, ns.max_side, ns.quality, ns.workers)
         return 0
     if ns.command == "doctor":
-        from .doctor import doctor
+        from .commands.doctor import doctor
 
         data = getattr(ns, "data.source")
         rep = doctor(_config(ns) if ns.recipe or data else None, with_data=bool(data), run_dir=ns.diff,
                      as_json=ns.json)
         return 0 if rep.get("data", {}).get("ok", True) else 1
     if ns.command == "lr-find":
-        from .lrfind import lr_find
+        from .commands.lr_find import lr_find
 
         if ns.end_lr <= ns.start_lr:
             raise VramfitError(f"--end-lr {ns.end_lr:g} is not above --start-lr {ns.start_lr:g}: the sweep "
@@ -360,7 +360,7 @@ def _writable_caches(ns) -> None:
     under the training output for `train`, a per-user temporary folder otherwise."""
     from pathlib import Path
 
-    from .caches import redirect_unwritable
+    from .store.caches import redirect_unwritable
 
     base = Path(getattr(ns, "output", None) or "runs") if ns.command == "train" else None
     for note in redirect_unwritable(base):
@@ -375,9 +375,9 @@ def _data_config(ns):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .openmp import shorten_spin
+    from .runtime.openmp import shorten_spin
 
-    shorten_spin()  # the process's entry, before anything imports torch (openmp.py)
+    shorten_spin()  # the process's entry, before anything imports torch (runtime/openmp.py)
     argv = sys.argv[1:] if argv is None else argv
     for stream in (sys.stdout, sys.stderr):  # a class named in any script prints under LC_ALL=C too
         if hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):
@@ -393,8 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\nvramfit: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - another process's failure and a storage fault become a line here
-        from .storage import errno_fault
-        from .collectives import ProcessFailed
+        from .runtime.collectives import ProcessFailed
+        from .runtime.storage import errno_fault
 
         fault = errno_fault(e)
         if fault is not None:  # a write the run needed (metrics, summary, model/) hit a full or locked disk

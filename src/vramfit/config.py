@@ -77,7 +77,7 @@ class ProgressiveResize(Section):
     """Progressive resizing, with Composer's names and defaults: the first `delay_fraction` of the
     steps train at `initial_scale` x data.image_size, the size then grows linearly (in steps of
     `size_increment` px) to the full size, reached when `finetune_fraction` of the steps is left.
-    Setting any one key turns it on with the others at their defaults (resize.Schedule)."""
+    Setting any one key turns it on with the others at their defaults (data.progressive.Schedule)."""
 
     initial_scale: float = Field(0.5, gt=0.0, le=1.0)
     delay_fraction: float = Field(0.5, ge=0.0, le=1.0)
@@ -114,9 +114,9 @@ class DataConfig(Section):
     auto_augment: str | None = None
     color_jitter: float = Field(0.4, ge=0.0)  # timm's default; 0: off
     # Where it runs (data.loader.color_jitter_on): auto = on the device when training on an
-    # accelerator (vramfit.augment, batched), in the loader workers (timm's, PIL) on the CPU.
+    # accelerator (vramfit.data.augment, batched), in the loader workers (timm's, PIL) on the CPU.
     color_jitter_on: Literal["auto", "loader", "device"] = "auto"
-    # On-device batch augmentation (vramfit.augment, timm RandomErasing / Mixup): erasing
+    # On-device batch augmentation (vramfit.data.augment, timm RandomErasing / Mixup): erasing
     # probability per sample; mixup and cutmix Beta alphas (0: off); chance a batch is mixed at all;
     # chance a mixed batch uses cutmix when both are on.
     reprob: float = Field(0.0, ge=0.0, le=1.0)
@@ -169,7 +169,7 @@ class TrainConfig(Section):
     cudnn_benchmark: bool = True
     # torch.compile the model once the micro-batch is settled (its first steps then pay the
     # compilation: worth it on long GPU runs, rarely on short CPU ones). `auto`: `train.fit:
-    # fastest` measures it against eager where the probe budget pays for a compilation (fit.py);
+    # fastest` measures it against eager where the probe budget pays for a compilation (tuning/fit.py);
     # off otherwise.
     compile: bool | Literal["auto"] = False
     # fp16 only: this many GradScaler-skipped steps in a row means the run diverged; stop.
@@ -180,7 +180,7 @@ class TrainConfig(Section):
     # How the execution settings that leave the maths unchanged (micro-batch, channels_last,
     # gradient checkpointing) are chosen: `largest` runs the largest micro-batch that fits with the
     # settings as written; `fastest` measures the candidates that fit on the run's own first
-    # batches, with no update, and keeps the fastest (fit.py).
+    # batches, with no update, and keeps the fastest (tuning/fit.py).
     fit: Literal["fastest", "largest"] = "largest"
     # `fit: fastest`: the share of the run's expected wall time its probe may take.
     fit_probe_fraction: float = Field(0.03, gt=0.0, le=1.0)
@@ -472,7 +472,7 @@ def build_config(recipe: str | None = None, sets: list[str] | None = None,
     for dotted, value in (flags or {}).items():
         if value is not None:
             _set_path(tree, dotted, value)
-    from .backbones import fill_backbone_defaults
+    from .models.backbones import fill_backbone_defaults
 
     tree = fill_backbone_defaults(tree)  # what neither the recipe nor the command line says
     if recipe:

@@ -5,6 +5,9 @@
   `folders` (image folders) and `schema` (split names, columns, labels) serve it.
 - `ordering`: the sample order of each optimizer step, and the per-sample seeds.
 - `loader`: datasets, batches and loaders (`build_loaders`); `workers`: the loader processes.
+- `decode`: one image item -> an RGB image, or a `BadImage` saying why; `augment`: colour
+  jitter, erasing and mixup on the device; `progressive`: the image size of each step of a
+  progressively resized run; `builtin`: the built-in `digits` data.
 """
 
 from .folders import IMAGE_EXTENSIONS, is_image_file

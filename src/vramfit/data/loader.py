@@ -21,8 +21,8 @@ import torch
 from PIL import Image
 
 from ..config import Config, DataConfig
-from ..decode import BadImage, decode_with_size, describe, quiet_bomb_warnings
 from ..errors import VramfitError
+from .decode import BadImage, decode_with_size, describe, quiet_bomb_warnings
 from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
 from .sources import Splits
 from .workers import end_workers_at_exit, init_worker, local_processes, resolve_workers
@@ -43,7 +43,7 @@ STOP_FILES_LISTED = 10
 def color_jitter_on(cfg: DataConfig, device_type: str) -> str | None:
     """Where a run's colour jitter is done: None (off: `color_jitter` 0, or an auto-augment policy
     other than '3a', as timm decides), "loader" (timm's ColorJitter on PIL images in the workers)
-    or "device" (vramfit.augment, on the batch). `auto`: the device on an accelerator, where it is a
+    or "device" (vramfit.data.augment, on the batch). `auto`: the device on an accelerator, where it is a
     few passes over the batch instead of a fifth of a worker's time per image; the loader on the
     CPU, where the main process is the trainer and PIL's uint8 kernels are the cheaper form
     (`bench/data_throughput.py` prints both)."""
@@ -67,7 +67,7 @@ def build_transforms(cfg: DataConfig, data_cfg: dict, device_type: str = "cpu"):
     common = dict(input_size=data_cfg["input_size"], interpolation=data_cfg.get("interpolation", "bilinear"),
                   mean=data_cfg["mean"], std=data_cfg["std"], use_prefetcher=True)
     # Random erasing (and colour jitter when it is on the device) are done on normalised batches
-    # (vramfit.augment), as timm's own prefetcher does for erasing.
+    # (vramfit.data.augment), as timm's own prefetcher does for erasing.
     jitter = cfg.color_jitter if color_jitter_on(cfg, device_type) == "loader" else None
     train = create_transform(is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
                              hflip=cfg.hflip, auto_augment=cfg.auto_augment, re_prob=0.0,
@@ -77,7 +77,7 @@ def build_transforms(cfg: DataConfig, data_cfg: dict, device_type: str = "cpu"):
 
 
 class SizedTransforms:
-    """timm's train transform at any size (progressive resizing: resize.Schedule), each made once
+    """timm's train transform at any size (progressive resizing: data.progressive.Schedule), each made once
     per process when first asked for, with the JPEG draft size it needs."""
 
     def __init__(self, cfg: DataConfig, data_cfg: dict, device_type: str):
@@ -139,7 +139,7 @@ NO_JITTER = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 2.0])
 
 
 def jitter_params(strength: float) -> torch.Tensor:
-    """One sample's colour jitter, for the device to apply (vramfit.augment.ColorJitter): its
+    """One sample's colour jitter, for the device to apply (vramfit.data.augment.ColorJitter): its
     brightness, contrast and saturation factors and the order of the three operations, as
     (b, c, s, first, second, third). Drawn by torchvision's own ColorJitter.get_params from the
     sample's seeded RNG, like every per-sample augmentation, so a sample's jitter does not depend
@@ -375,7 +375,7 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
                   compute_seconds: float | None = None, size_at: Callable[[int], int] | None = None) -> Loaders:
     """The train and validation loaders of a run, for this process of `accelerator`.
     `compute_seconds` (a CPU run: what one training sample costs the model) lets `num_workers:
-    auto` be measured rather than guessed; `size_at` (progressive resizing: resize.Schedule.size_at)
+    auto` be measured rather than guessed; `size_at` (progressive resizing: data.progressive.Schedule.size_at)
     gives each training step its image size (evaluation stays at data.image_size)."""
     device_type = accelerator.device.type
     train_tf, val_tf = build_transforms(cfg.data, data_cfg, device_type)

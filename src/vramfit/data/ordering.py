@@ -39,7 +39,7 @@ class StepBatchSampler:
         self.n, self.global_batch, self.seed = num_samples, global_batch, seed
         self.rank, self.num_processes = rank, num_processes
         self.epoch, self.start_step = 0, 0
-        # Progressive resizing (resize.Schedule.size_at): the image size of each global step, which
+        # Progressive resizing (data.progressive.Schedule.size_at): the image size of each global step, which
         # the keys carry to the dataset as their fourth part.
         self.size_at = size_at
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..builtin_data import BUILTIN, cache_root, ensure_digits
 from ..config import DataConfig
 from ..errors import VramfitError
+from .builtin import BUILTIN, cache_root, ensure_digits
 from .folders import ImageFolder, read_image_folder, walk
 from .schema import (HELD_OUT_SPLITS, SPLIT_NAMES, TRAIN_SPLITS, VAL_SPLITS, column, encode_labels,
                      pick_image_column, pick_label_column)
@@ -304,7 +304,7 @@ def _load_files(cfg: DataConfig, kind: str, root: Path, files: list[Path]):
     try:
         return datasets.load_dataset(kind, data_files=by_split, **kwargs)
     except Exception as e:  # noqa: BLE001
-        from ..storage import errno_fault
+        from ..runtime.storage import errno_fault
 
         if errno_fault(e) is not None:  # the cache the files are converted into, not the files
             raise

@@ -6,7 +6,7 @@ they also ignore the SIGTERM multiprocessing sends them when the main process ex
 then waits on them forever (an error raised mid-epoch leaves the loader's workers running); so the
 main process ends them itself, at exit, with a signal they cannot ignore.
 
-Ctrl-Z and `fg`/`bg` act on workers through the kernel's defaults (terminal.py stops and continues
+Ctrl-Z and `fg`/`bg` act on workers through the kernel's defaults (runtime/terminal.py stops and continues
 the trainer's whole job): a forked worker inherits the trainer's Python handlers for SIGTSTP and
 SIGCONT, and a Python handler runs only when the worker's main thread next runs Python code. A
 worker busy in a long C call when it was stopped would run the Ctrl-Z handler after being continued

@@ -8,6 +8,7 @@ docs/memory.md has the long form. The parts, one concern each:
   the named constants for what the trace cannot see, and the pick for a memory budget;
 - `advice`: when a step does not fit, the cheapest changes that make it fit;
 - `report`: `vramfit plan` (the dict behind --json and plan.json, and its text).
+- `size_picks`: the planner's micro-batch at each image size of a progressively resized run.
 """
 
 from .advice import advise, config_with, lighter_backbones

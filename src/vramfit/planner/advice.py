@@ -9,7 +9,7 @@ import torch
 
 from ..batching import grad_accum_steps, largest_chunk, resolve_micro_batch
 from ..config import Config
-from ..precision import planned
+from ..runtime.precision import planned
 from .estimate import GiB, MemoryEstimate, estimate, pick_micro_batch
 
 _FAMILIES: list[list[str]] = [
@@ -49,7 +49,7 @@ def lighter_backbones(name: str, n: int = 2) -> list[str]:
 
 def _freeze_options(cfg: Config, num_classes: int) -> list[list[str]]:
     """Parameter-name prefixes that freeze the stem + first stage, and the stem + two stages."""
-    from ..models import create_model
+    from ..models.create import create_model
 
     with torch.device("meta"):
         try:

@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..batching import grad_accum_steps, largest_chunk
-from ..collectives import BLOCK_BYTES, reducer_buffer_bytes
 from ..config import Config
 from ..errors import VramfitError
-from ..precision import planned
+from ..runtime.collectives import BLOCK_BYTES, reducer_buffer_bytes
+from ..runtime.precision import planned
 from .tracing import (BUFFER, BWD, CATEGORY_NAMES, GRAD, HOST, INPUT, OPT, PARAM, STEP, WCAST, ACT,
                       AllocationLog, Tracer)
 
@@ -363,7 +363,7 @@ def reported_total_bytes(memory_gib: float) -> int:
 def budget_bytes_for(cfg: Config, memory_gib: float | None = None, total_bytes: int | None = None) -> int | None:
     """What a step may use on a card sold as `memory_gib` GB (default: the recipe's card), or on
     one whose reported total is `total_bytes` (a detected card): that total less the safety margin.
-    The only place the margin is taken; a run on its own card asks memory.card_budget_bytes, which
+    The only place the margin is taken; a run on its own card asks tuning.probe.card_budget_bytes, which
     measures the card and comes here."""
     gib = memory_gib if memory_gib is not None else cfg.hardware.memory_gib
     if total_bytes is None and gib is None:

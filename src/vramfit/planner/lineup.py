@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from ..config import Config
-from ..precision import planned
+from ..runtime.precision import planned
 from .estimate import GiB, TRACE_BATCHES, budget_bytes_for, estimate, get_profile
 from .report import run_plan
 from .tracing import ACT, INPUT

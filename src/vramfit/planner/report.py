@@ -9,9 +9,9 @@ from typing import Any
 
 from ..batching import MicroBatch, grad_accum_steps, per_process_batch, resolve_micro_batch
 from ..config import Config
-from ..precision import planned
+from ..runtime.collectives import BLOCK_BYTES
+from ..runtime.precision import planned
 from .advice import advise, config_with
-from ..collectives import BLOCK_BYTES
 from .estimate import (ALLOCATOR_OVERHEAD_FRACTION, CUDA_CONTEXT_BYTES, CUDA_WORKSPACE_BYTES, GiB,
                        budget_bytes_for, estimate_table, get_profile, pick_micro_batch,
                        reported_total_bytes)
@@ -44,10 +44,10 @@ def _micro_batch(cfg: Config, num_classes: int, per_proc: int, num_processes: in
 def _size_rows(cfg: Config, num_classes: int, mb: MicroBatch, budget: int | None, precision: str,
                num_processes: int, full_peak: int) -> list[dict]:
     """Progressive resizing: the micro-batch at every size the run may train at, by the rule a run
-    follows (sizeplan): the planner's pick at each size where the micro-batch is its to pick on a
+    follows (tuning.size_plans): the planner's pick at each size where the micro-batch is its to pick on a
     card, never below the full size's; otherwise the full size's micro-batch, whose peak bounds it."""
-    from ..resize import possible_sizes
-    from .sizes import planner_pick, planner_picks, size_picks
+    from ..data.progressive import possible_sizes
+    from .size_picks import planner_pick, planner_picks, size_picks
 
     sizes = possible_sizes(cfg)
     pick = (planner_pick(cfg, num_classes, mb, budget, precision, num_processes)

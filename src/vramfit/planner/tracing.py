@@ -1,10 +1,10 @@
 """Tracing one training step on fake tensors: the allocation log the estimate is computed from.
 
-1. Build the exact model the trainer builds (`models.create_model(..., load_weights=False)`: no
+1. Build the exact model the trainer builds (`models.create.create_model(..., load_weights=False)`: no
    download, freezing / BN policy / grad checkpointing / channels_last applied) and the exact
    optimizer (`optim.create_optimizer`), then move every parameter and buffer to *fake* tensors
    (`FakeTensorMode`): shapes, dtypes and strides without memory.
-2. Run one micro-batch of the trainer's own step (`engine.StepMaths`, the definition `TrainStep`
+2. Run one micro-batch of the trainer's own step (`train.step.StepMaths`, the definition `TrainStep`
    runs: forward, summed loss, backward, gradient norm / clip, optimizer update with its state
    already allocated), with what Accelerate adds (autocast, fp32 logits, loss scaling), under
    a small `TorchDispatchMode` that sees every tensor the step creates and a weakref finaliser on
@@ -297,8 +297,8 @@ class AllocationLog:
 
 
 def build_fake(cfg: Config, num_classes: int, fake_mode, on_meta: bool, model_fn=None):
-    from ..models import create_model
-    from ..optim import create_optimizer
+    from ..models.create import create_model
+    from ..train.optim import create_optimizer
 
     ctx = torch.device("meta") if on_meta else contextlib.nullcontext()
     with ctx:
@@ -389,10 +389,10 @@ class Tracer:
                     end_backward=rec.end_backward, grads=np.array(self._grad_indices, dtype=np.int64))
 
     def _step(self, rec, model, optimizer, trainable, batch, size, lp, fmt):
-        """One micro-batch of the trainer's own step (engine.StepMaths: forward, loss, backward),
+        """One micro-batch of the trainer's own step (train.step.StepMaths: forward, loss, backward),
         then its gradient norm / clip and optimizer update, with what Accelerate adds around them
         (autocast and fp32 logits, GradScaler's scale and unscale)."""
-        from ..engine import step_maths
+        from ..train.step import step_maths
 
         maths = step_maths(self.cfg.train)
         # The normalized per-process batch (loop: normalize(batch.images)) lives for the whole
