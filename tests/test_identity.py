@@ -1,4 +1,4 @@
-"""A run's identity (DESIGN.md): every setting that changes the maths or the data is refused on
+"""A run's identity (docs/recipes.md): every setting that changes the maths or the data is refused on
 resume (before anything is written), every execution-only one resumes and is said, and a change
 allowed on purpose is recorded with the step it took effect."""
 

@@ -311,7 +311,7 @@ class Config(Section):
 
 
 # ---------------------------------------------------------------------------------------------
-# A run's identity (DESIGN.md): every setting changes the run's maths or data unless it is declared
+# A run's identity (docs/recipes.md): every setting changes the run's maths or data unless it is declared
 # here as execution-only. Resume refuses a change of any other setting (`maths_settings`), the
 # default run name carries them, and the fit cache is keyed by them. A dotted key names one
 # setting; one ending in `.` a whole section; the longest match decides.

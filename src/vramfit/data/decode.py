@@ -2,7 +2,7 @@
 
 Items are what HF `datasets` yields for `datasets.Image(decode=False)` (`{"bytes", "path"}`), an
 already-decoded PIL image, or a uint8 numpy array. Every failure becomes `BadImage(reason)` so the
-loader can skip and count the sample instead of crashing the run (DESIGN.md, "Nothing is lost").
+loader can skip and count the sample instead of crashing the run (README, "Nothing lost").
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class ResumePoint:
 
 @dataclass(frozen=True)
 class Identity:
-    """A launch's identity (DESIGN.md "A run's identity"): `maths`, every setting that changes the
+    """A launch's identity (docs/recipes.md, "A run's identity"): `maths`, every setting that changes the
     run's maths or data (config.maths_settings, with the precision that runs and the data's own
     identity), which a resumed run must share; `execution`, how it runs, which it may change."""
 

@@ -1,6 +1,6 @@
-"""Where a run lives: its name and folder, and the name of every file in it (DESIGN.md's run-folder
-contract). The one place these paths are worked out; the trainer writes them, and `eval`,
-`predict`, `export`, `compare` and the model card read them."""
+"""Where a run lives: its name and folder, and the name of every file in it (the run-folder
+contract: README, "Run folder"). The one place these paths are worked out; the trainer writes them,
+and `eval`, `predict`, `export`, `compare` and the model card read them."""
 
 from __future__ import annotations
 
