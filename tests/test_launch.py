@@ -149,14 +149,14 @@ def test_openmp_spins_briefly_unless_the_user_chose_a_wait():
     """The shared-CPU rule (bench/shared_cpu.py): libgomp, as it loads with torch, spins 10000
     times instead of 300000; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is theirs; torch imported
     before the rule is applied keeps libgomp's default and says so."""
-    code = "from vramfit import openmp; print(openmp.shorten_spin()); import torch; torch.ones(2)"
+    code = "from vramfit.runtime import openmp; print(openmp.shorten_spin()); import torch; torch.ones(2)"
     spin, out = _gomp({}, code)
     assert spin == ["10000"] and "GOMP_SPINCOUNT" in out, (spin, out)
     spin, out = _gomp({"GOMP_SPINCOUNT": "5"}, code)
     assert spin == ["5"] and "as set (GOMP_SPINCOUNT=5)" in out, out
     spin, out = _gomp({"OMP_WAIT_POLICY": "ACTIVE"}, code)
     assert spin != ["10000"] and "OMP_WAIT_POLICY=ACTIVE" in out, (spin, out)
-    spin, out = _gomp({}, "import torch; from vramfit import openmp; print(openmp.shorten_spin()); torch.ones(2)")
+    spin, out = _gomp({}, "import torch; from vramfit.runtime import openmp; print(openmp.shorten_spin()); torch.ones(2)")
     assert spin == ["300000"] and "torch was imported before vramfit" in out, (spin, out)
 
 
