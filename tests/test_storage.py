@@ -69,7 +69,8 @@ def test_the_best_model_on_a_full_disk_keeps_the_previous_model_whole(tmp_path):
         with torch.no_grad():
             model.fc.weight.add_(1.0)
         with pytest.raises(VramfitError) as e:  # the second copy (45 MB) does not fit beside the first
-            with storage.atomic_folder(disk / "model", "the best model", storage.tensor_bytes(model)) as folder:
+            need = storage.tensor_bytes(model)
+            with storage.atomic_folder(disk / "model", "the best model", need) as folder:
                 export(model, folder, ["a", "b", "c"], cfg)
         assert "the best model" in str(e.value) and "the disk is full" in str(e.value)
         after = load_file(disk / "model" / "model.safetensors")
@@ -78,6 +79,7 @@ def test_the_best_model_on_a_full_disk_keeps_the_previous_model_whole(tmp_path):
         assert json.loads((disk / "model" / "class_names.json").read_text()) == ["a", "b", "c"]
 
 
+@pytest.mark.slow  # trains the tiny run and runs the ONNX exporter: about 90 s on 2 cores
 def test_an_onnx_export_on_a_full_disk_blames_the_disk_and_leaves_no_model_onnx(tmp_path, capsys):
     pytest.importorskip("onnxscript")
     from _trained_runs import trained_run
@@ -127,19 +129,22 @@ def test_a_default_run_name_from_a_long_data_folder_fits_and_stays_the_same(tmp_
     """A data folder named with 250 bytes (multi-byte letters) trains into a default run folder
     that fits a folder name, readable, and the same command names it the same."""
     from vramfit.config import build_config
-    from vramfit.store.runfolder import NAME_MAX_BYTES, default_run_name
+    from vramfit.runtime.storage import NAME_MAX_BYTES
+    from vramfit.store.runfolder import default_run_name
 
     data = class_tree(tmp_path / ("données-" + "é" * 60 + "x" * 120), {"cat": 6, "dog": 6})
     assert len(data.name.encode()) == 249
-    cfg = build_config(None, [], {"data.source": str(data), "model.name": "test_resnet", "train.lr": 0.123})
+    cfg = build_config(None, [], {"data.source": str(data), "model.name": "test_resnet", "optim.lr": 0.123})
     name = default_run_name(cfg, "fp32")
     assert len(name.encode()) <= NAME_MAX_BYTES and "données-éé" in name
     assert name == default_run_name(cfg, "fp32")
-    other = build_config(None, [], {"data.source": str(data) + "2", "model.name": "test_resnet", "train.lr": 0.123})
+    other = build_config(None, [], {"data.source": str(data) + "2", "model.name": "test_resnet",
+                                    "optim.lr": 0.123})
     assert default_run_name(other, "fp32") != name
     proc = subprocess.run([sys.executable, "-m", "vramfit.cli", "train",
                            *train_args(data, tmp_path, "--output", str(tmp_path / "runs"))],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
-    assert len(run_dir.name.encode()) <= NAME_MAX_BYTES and (run_dir / "model" / "model.safetensors").is_file()
+    assert len(run_dir.name.encode()) <= NAME_MAX_BYTES
+    assert (run_dir / "model" / "model.safetensors").is_file()

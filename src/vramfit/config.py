@@ -293,7 +293,7 @@ class Config(Section):
         if v is not None and (not v.strip() or v in (".", "..") or "/" in v or "\\" in v or "\0" in v):
             raise ValueError(f"run_name {v!r} must be one folder name (no `/`, not `.` or `..`): "
                              "the run folder is --output/<run_name>; put the path in --output")
-        from .store.runfolder import NAME_MAX_BYTES
+        from .runtime.storage import NAME_MAX_BYTES
 
         if v is not None and len(v.encode()) > NAME_MAX_BYTES:
             raise ValueError(f"run_name is {len(v.encode())} bytes long ({len(v)} characters); a folder name "

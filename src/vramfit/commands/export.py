@@ -102,7 +102,8 @@ def write_torchscript(tm: TrainedModel, dest: Path) -> Path:
 def write_safetensors(tm: TrainedModel, dest: Path) -> Path:
     from ..models.create import export
 
-    with atomic_files(dest, "the safetensors model", tensor_bytes(tm.model)) as folder:  # timm's format, as run/model/
+    # timm's format, as run/model/
+    with atomic_files(dest, "the safetensors model", tensor_bytes(tm.model)) as folder:
         export(tm.model.cpu(), folder, tm.class_names, tm.data_config)
     return dest / FILES["safetensors"]
 

@@ -20,6 +20,8 @@ STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quot
                   errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
                   errno.EPERM: "permission denied", errno.EIO: "an input/output error on the disk"}
 PROBE_BYTES = 1 << 20
+# A folder name's limit on the file systems runs are written to (NAME_MAX, bytes, not characters).
+NAME_MAX_BYTES = 255
 
 
 def storage_fault(error: BaseException, root: Path, written: Path | None = None, need: int = 0) -> str | None:
@@ -127,8 +129,8 @@ def write_error(error: BaseException, path: Path, what: str = "", need: int = 0)
     cause = storage_fault(error, where, path if path.is_dir() else None, need)
     if cause is None:
         return None
-    return VramfitError(f"Could not write {what + ' ' if what else ''}{path}: {cause}{free_space(where)}. Everything "
-                        "saved before it is kept.",
+    return VramfitError(f"Could not write {what + ' ' if what else ''}{path}: {cause}{free_space(where)}. "
+                        "Everything saved before it is kept.",
                         hint="free space (or raise the limit, fix the permissions, or pick another --output) "
                              "and re-run the same command")
 

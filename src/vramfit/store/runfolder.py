@@ -18,10 +18,8 @@ from ..errors import VramfitError
 # from its recipe follows them: config.maths_settings).
 NAMED_IN_BASE = {"model.name", "data.image_size", "train.global_batch", "train.precision", "train.seed", "data.source"}
 MAX_READABLE = 40  # longer differences are named by a short hash
-# A folder name's limit on the file systems runs are written to (NAME_MAX, bytes, not characters).
-NAME_MAX_BYTES = 255
 DATA_MAX_BYTES = 48  # a longer data name keeps its start and a hash of the whole
-NAME_MAX_DEFAULT = 160  # a default name stays well inside NAME_MAX (room for an --output prefix in W&B)
+NAME_MAX_DEFAULT = 160  # well inside a folder name's 255 bytes (runtime.storage.NAME_MAX_BYTES)
 
 
 def default_run_name(cfg, precision_name: str) -> str:
