@@ -394,12 +394,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - another process's failure and a storage fault become a line here
         from .runtime.collectives import ProcessFailed
-        from .runtime.storage import errno_fault
+        from .runtime.storage import escaped_fault
 
-        fault = errno_fault(e)
-        if fault is not None:  # a write the run needed (metrics, summary, model/) hit a full or locked disk
-            _print_error(VramfitError(f"{fault[:1].upper()}{fault[1:]}. Everything saved before it is kept.",
-                                      hint="free space (or fix the permissions) and re-run the same command"))
+        told = escaped_fault(e)
+        if told is not None:  # a library's own writer (TensorBoard's) hit a full disk or a removed folder
+            _print_error(told)
         elif not isinstance(e, ProcessFailed):
             raise
         elif os.environ.get("LOCAL_RANK", "0") == "0":

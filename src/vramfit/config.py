@@ -293,6 +293,11 @@ class Config(Section):
         if v is not None and (not v.strip() or v in (".", "..") or "/" in v or "\\" in v or "\0" in v):
             raise ValueError(f"run_name {v!r} must be one folder name (no `/`, not `.` or `..`): "
                              "the run folder is --output/<run_name>; put the path in --output")
+        from .runtime.storage import NAME_MAX_BYTES
+
+        if v is not None and len(v.encode()) > NAME_MAX_BYTES:
+            raise ValueError(f"run_name is {len(v.encode())} bytes long ({len(v)} characters); a folder name "
+                             f"holds at most {NAME_MAX_BYTES} bytes: give a shorter --run-name")
         return v
 
     @model_validator(mode="after")

@@ -130,7 +130,9 @@ def csv_row(run: dict) -> dict:
 
 
 def write_csv(runs: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
+    from ..runtime.storage import atomic_path
+
+    with atomic_path(path, "the table") as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         for r in runs:

@@ -26,7 +26,8 @@ def evaluate_run(run_dir: str | Path, data: str | None = None, split: str | None
                  batch_size: int = 64, out=None) -> dict:
     from ..store.accuracy import classification_report
     from ..store.figures import confusion_figure, save_png
-    from ..store.tracking import write_json
+    from ..runtime.storage import write_json
+    from ..store.tracking import scrub
 
     out = out or sys.stdout
     tm = TrainedModel(run_dir)
@@ -41,7 +42,7 @@ def evaluate_run(run_dir: str | Path, data: str | None = None, split: str | None
     report = {"run": str(tm.run_dir), "split": name, "data": ev.description, **report,
               "unreadable": [why for _, why in scores.unreadable]}
     json_path = tm.run_dir / f"eval-{name}.json"
-    write_json(json_path, report)
+    write_json(json_path, scrub(report), "the evaluation report")
     png_path = save_png(confusion_figure(report["confusion_matrix"], tm.class_names,
                                          f"{tm.run_dir.name} on {name}: top-1 {report['top1']:.4f}"),
                         tm.run_dir / f"confusion-{name}.png")

@@ -3,7 +3,6 @@ best model as deployable files with a model card, or pushed to the Hugging Face 
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import VramfitError
+from ..runtime.storage import atomic_files, atomic_path, make_folder, tensor_bytes, write_json, write_text
 from .trained import TrainedModel
 
 FORMATS = ("onnx", "torchscript", "safetensors")
@@ -32,7 +32,7 @@ def export_run(run_dir: str | Path, formats: list[str], output: str | Path | Non
     dest = Path(output) if output else tm.run_dir / "export"
     written = {}
     if formats:
-        dest.mkdir(parents=True, exist_ok=True)
+        make_folder(dest)
         for fmt in dict.fromkeys(formats):
             written[fmt] = WRITERS[fmt](tm, dest)
             out.write(f"{fmt}: {written[fmt]}\n")
@@ -55,10 +55,14 @@ def write_onnx(tm: TrainedModel, dest: Path) -> Path:
     model = tm.model.cpu().eval()
     big = sum(p.numel() * p.element_size() for p in model.parameters()) > ONNX_INLINE_MAX_BYTES
     batch = torch.export.Dim("batch", min=1, max=65536)
-    try:
-        # The torch.export-based exporter (the default since torch 2.9); dynamic batch dimension.
-        torch.onnx.export(model, (example_input(tm),), str(path), input_names=["image"], output_names=["logits"],
-                          dynamic_shapes=({0: batch},), dynamo=True, external_data=big, verbose=False)
+    try:  # into a folder beside: a full disk leaves no truncated model.onnx (nor its external data)
+        with atomic_files(dest, "the ONNX model", tensor_bytes(model)) as folder:
+            # The torch.export-based exporter (the default since torch 2.9); dynamic batch dimension.
+            torch.onnx.export(model, (example_input(tm),), str(folder / path.name), input_names=["image"],
+                              output_names=["logits"], dynamic_shapes=({0: batch},), dynamo=True,
+                              external_data=big, verbose=False)
+    except VramfitError:  # the storage's fault, told by the writer
+        raise
     except Exception as e:  # noqa: BLE001 - exporter failures come as many types; say which model
         raise VramfitError(f"ONNX export of {tm.architecture} failed: {type(e).__name__}: "
                            f"{str(e).splitlines()[0][:300] if str(e) else ''}",
@@ -90,14 +94,17 @@ def write_torchscript(tm: TrainedModel, dest: Path) -> Path:
         warnings.simplefilter("ignore", FutureWarning)
         with torch.inference_mode(False), torch.no_grad():
             traced = torch.jit.trace(model, example_input(tm))
-        traced.save(str(path))
+        with atomic_path(path, "the TorchScript model") as tmp:
+            traced.save(str(tmp))
     return path
 
 
 def write_safetensors(tm: TrainedModel, dest: Path) -> Path:
     from ..models.create import export
 
-    export(tm.model.cpu(), dest, tm.class_names, tm.data_config)  # timm's format, as run/model/
+    # timm's format, as run/model/
+    with atomic_files(dest, "the safetensors model", tensor_bytes(tm.model)) as folder:
+        export(tm.model.cpu(), folder, tm.class_names, tm.data_config)
     return dest / FILES["safetensors"]
 
 
@@ -109,10 +116,10 @@ def write_sidecars(tm: TrainedModel, dest: Path, files: list[str]) -> None:
     the model card."""
     from .model_card import readme
 
-    (dest / "class_names.json").write_text(json.dumps(tm.class_names, indent=1))
-    (dest / "preprocessing.json").write_text(json.dumps(_preprocessing(tm), indent=1))
-    present = sorted({*files, *(p.name for p in dest.iterdir())})
-    (dest / "README.md").write_text(readme(tm, present))
+    write_json(dest / "class_names.json", tm.class_names, "the class names")
+    write_json(dest / "preprocessing.json", _preprocessing(tm), "the preprocessing")
+    present = sorted({*files, *(p.name for p in dest.iterdir() if not p.name.startswith("."))})
+    write_text(dest / "README.md", readme(tm, present), "the model card")
 
 
 def _preprocessing(tm: TrainedModel) -> dict:

@@ -103,6 +103,8 @@ def plot(lrs: list[float], losses: list[float], suggestion: float, path: Path, t
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from ..runtime.storage import atomic_path
+
     fig = Figure(figsize=(6, 4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -115,8 +117,10 @@ def plot(lrs: list[float], losses: list[float], suggestion: float, path: Path, t
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    if not path.suffix:  # where matplotlib's savefig put it: a .png added
+        path = path.with_name(path.name + ".png")
+    with atomic_path(path, "the plot") as tmp:
+        fig.savefig(tmp, dpi=100, format=path.suffix.lstrip("."))
 
 
 def lr_find(cfg: Config, num_iter: int = 100, start_lr: float = 1e-7, end_lr: float = 10.0,

@@ -235,7 +235,8 @@ def data_config(model: nn.Module, image_size: int, crop_pct: float | None = None
 
 def export(model: nn.Module, out_dir: Path, class_names: list[str], data_cfg: dict) -> None:
     """Write `model/`: safetensors weights + timm config.json (loadable with `local-dir:`), in the
-    default memory format whatever layout the model trains in."""
+    default memory format whatever layout the model trains in. `out_dir` is the new folder the
+    caller swaps in whole (runtime.storage.atomic_folder / atomic_files): never the live one."""
     from ..store.checkpoint import portable_state_dict
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -92,14 +92,13 @@ def read_entry(path: Path, key: str):
 def write_entry(path: Path, key: str, value) -> None:
     """Set one entry of a JSON cache file, replacing the file whole (a reader never sees half of
     it); an unreadable file starts over. Raises OSError when it cannot be written."""
+    from ..runtime.storage import write_json
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
     data[key] = value
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_json(path, data, tell=False)
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import VramfitError
-from ..runtime.storage import storage_fault
+from ..runtime.storage import free_space, make_folder, removed_root, run_folder_removed, storage_fault
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int
     tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
     with agreed("preparing a checkpoint", device), _writing(root, tmp):
         if main:
-            root.mkdir(parents=True, exist_ok=True)
+            make_folder(root)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
     # FSDP gathers inside save_state (collectives of its own): it cannot run inside `agreed`.
@@ -122,14 +122,19 @@ def _writing(root: Path, tmp: Path):
     try:
         yield
     except Exception as e:  # noqa: BLE001 - a storage fault is reported below; anything else re-raises
-        cause = storage_fault(e, root, tmp)
+        gone = removed_root(root)
+        cause = None if gone or isinstance(e, VramfitError) else storage_fault(e, root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if gone is not None:
+            raise run_folder_removed(gone) from None
         if cause is None:
             raise
         last = latest(root)
         raise VramfitError(
-            f"Could not write a checkpoint into {root}: {cause}. Last complete checkpoint: {last or 'none'} (kept).",
-            hint="free space (or raise the limit, or fix the folder's permissions) and re-run the same command: "
+            f"Could not write a checkpoint into {root}: {cause}{free_space(root)}. Last complete checkpoint: "
+            f"{last or 'none'} (kept).",
+            hint="free space (or raise the limit, fix the folder's permissions, or move the run folder to "
+                 "another --output) and re-run the same command: "
                  "it resumes from the last complete checkpoint") from None
 
 

@@ -18,10 +18,12 @@ TICK_LABELS_MAX_CLASSES = 60
 
 
 def save_png(fig: Figure, path: Path, dpi: int = 120) -> Path:
+    from ..runtime.storage import atomic_path
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    with atomic_path(path, "the figure") as tmp:
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
     return path
 
 

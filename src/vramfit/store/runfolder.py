@@ -18,6 +18,8 @@ from ..errors import VramfitError
 # from its recipe follows them: config.maths_settings).
 NAMED_IN_BASE = {"model.name", "data.image_size", "train.global_batch", "train.precision", "train.seed", "data.source"}
 MAX_READABLE = 40  # longer differences are named by a short hash
+DATA_MAX_BYTES = 48  # a longer data name keeps its start and a hash of the whole
+NAME_MAX_DEFAULT = 160  # well inside a folder name's 255 bytes (runtime.storage.NAME_MAX_BYTES)
 
 
 def default_run_name(cfg, precision_name: str) -> str:
@@ -32,13 +34,27 @@ def default_run_name(cfg, precision_name: str) -> str:
             f"-{precision_name}-s{cfg.train.seed}")
     data, settings = _differences(cfg)
     if data:
-        name += f"-{data}"
+        name += f"-{_fitted(data, DATA_MAX_BYTES)}"
     readable = "-".join(f"{key.rsplit('.', 1)[-1]}{_short(value)}" for key, value in settings)
     if len(readable) > MAX_READABLE:
-        import hashlib
+        readable = "cfg" + _hash(repr(settings))
+    name = f"{name}-{_safe(readable)}" if readable else name
+    return _fitted(name, NAME_MAX_DEFAULT)
 
-        readable = "cfg" + hashlib.blake2b(repr(settings).encode(), digest_size=4).hexdigest()
-    return f"{name}-{_safe(readable)}" if readable else name
+
+def _fitted(text: str, max_bytes: int) -> str:
+    """`text` when it fits in `max_bytes` (UTF-8), else its start cut at a character and a hash of
+    the whole: readable, and the same text always gives the same name."""
+    if len(text.encode()) <= max_bytes:
+        return text
+    tail = "-" + _hash(text)
+    return text.encode()[:max_bytes - len(tail)].decode(errors="ignore") + tail
+
+
+def _hash(text: str) -> str:
+    import hashlib
+
+    return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
 
 
 def _differences(cfg) -> tuple[str | None, list[tuple[str, object]]]:
@@ -139,7 +155,10 @@ def locked(paths: RunPaths):
     second run into the same folder stops at once, naming the run that holds it."""
     import fcntl
 
-    paths.dir.mkdir(parents=True, exist_ok=True)
+    from ..runtime import storage
+
+    storage.unwatch(paths.dir)  # a run folder removed under an earlier run of this process
+    storage.make_folder(paths.dir)
     f = open(paths.lock, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -155,7 +174,9 @@ def locked(paths: RunPaths):
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         f.flush()
+        storage.watch(paths.dir)
         yield
     finally:
+        storage.unwatch(paths.dir, keep_removed=True)
         fcntl.flock(f, fcntl.LOCK_UN)
         f.close()

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import VramfitError
+from ..runtime import storage
 
 SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
@@ -109,8 +110,7 @@ class RunLog:
             return
         figures = figure_names(record)
         rec = scrub({"step": step, "time": round(time.time() - self.t0, 3), "kind": record.get("kind"), **figures})
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        storage.append_line(self.path, json.dumps(rec), "the metrics record")
         if self.use_trackers:
             self.acc.log(figures, step=step)  # numbers only: nothing to scrub
 
@@ -193,9 +193,7 @@ def continue_record(metrics_file: Path, resumed_step: int | None) -> None:
         return
     kept = [line + "\n" for line, row in _rows(metrics_file)
             if isinstance(row.get("step"), int) and row["step"] <= resumed_step]
-    tmp = metrics_file.with_name(metrics_file.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, metrics_file)
+    storage.write_text(metrics_file, "".join(kept), "the metrics record")
 
 
 def _last_time(metrics_file: Path) -> float:
@@ -203,17 +201,6 @@ def _last_time(metrics_file: Path) -> float:
         if isinstance(row.get("time"), (int, float)):
             return float(row["time"])
     return 0.0
-
-
-def write_json(path: Path, obj) -> None:
-    write_text(path, json.dumps(scrub(obj), indent=1, default=str))
-
-
-def write_text(path: Path, text: str) -> None:
-    """Whole or not at all: a crash mid-write leaves the file as it was."""
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -305,7 +292,8 @@ def start_trackers(acc, cfg, run_dir: Path, run_name: str, *, run_id: str, preci
                    env: dict | None = None, plan: dict | None = None) -> None:
     """Start every configured tracker and store the run's config (+ plan and environment) in it.
     Call on every process once the run folder exists, after `Accelerator(log_with=log_with(cfg, run_dir))`."""
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    storage.make_folder(Path(run_dir))
+    storage.quiet_writer_threads()
     acc.init_trackers(cfg.tracking.project,
                       init_kwargs={"wandb": wandb_init_kwargs(cfg, run_name, run_dir, run_id, precision, env)})
     if not acc.is_main_process:

@@ -28,7 +28,8 @@ from ..errors import VramfitError
 from ..runtime.collectives import agreed, broadcast_module
 from ..store import checkpoint, resume
 from ..store.runfolder import RunPaths
-from ..store.tracking import environment, write_json, write_text
+from ..runtime.storage import make_folder, write_json, write_text
+from ..store.tracking import environment, scrub
 from .state import TrainerState
 
 if TYPE_CHECKING:
@@ -569,11 +570,11 @@ def write_config(paths: RunPaths, cfg: Config, changes: list[dict], change: dict
     this launch's), what ran until then stays beside it (config-to-step-N.yaml), and its header
     says every change, so the folder never claims the new settings for the whole run."""
     if change and paths.config.is_file() and not paths.config_until(change["step"]).exists():
-        write_text(paths.config_until(change["step"]), paths.config.read_text())
+        write_text(paths.config_until(change["step"]), paths.config.read_text(), "the earlier settings")
     header = "".join(f"# from step {c['step']} (allow_resume_change; until then: {paths.config_until(c['step']).name}): "
                      + "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in c["settings"].items()) + "\n"
                      for c in changes)
-    write_text(paths.config, header + cfg.to_yaml())
+    write_text(paths.config, header + cfg.to_yaml(), "the run's settings")
 
 
 def write_run_folder(run: Run) -> None:
@@ -586,14 +587,10 @@ def write_run_folder(run: Run) -> None:
         plan["phases"] = [p.as_dict() for p in run.plans]
     with agreed("writing the run folder", L.acc.device):
         if L.main:
-            try:
-                paths.dir.mkdir(parents=True, exist_ok=True)
-                write_config(paths, cfg, run.state.resume_changes, run.start.change)
-                write_json(paths.env, env)
-                write_json(paths.plan, plan)
-            except OSError as e:
-                raise VramfitError(f"Cannot write the run folder {paths.dir}: {e.strerror or e}.",
-                                   hint="pick a writable --output with free space") from None
+            make_folder(paths.dir)
+            write_config(paths, cfg, run.state.resume_changes, run.start.change)
+            write_json(paths.env, scrub(env), "the run's environment")
+            write_json(paths.plan, scrub(plan), "the memory plan")
     from ..store.tracking import start_trackers, tracker_names
 
     if tracker_names(cfg.tracking.tracker):

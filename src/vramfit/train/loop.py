@@ -316,6 +316,7 @@ class Trainer:
         """model/: the best weights, timm-loadable. Sharded (FSDP) parameters are gathered into a
         full state dict on every process, and written by one."""
         from ..models.create import export
+        from ..runtime.storage import atomic_folder, tensor_bytes
         from .step import is_fsdp
 
         module = self.L.acc.unwrap_model(eval_model)
@@ -324,7 +325,8 @@ class Trainer:
             if self.L.main:
                 if full is not None:
                     module = _full_copy(self.cfg, len(self.splits.class_names), full)
-                export(module, self.run.paths.model, self.splits.class_names, self.run.data_cfg)
+                with atomic_folder(self.run.paths.model, "the best model", tensor_bytes(module)) as folder:
+                    export(module, folder, self.splits.class_names, self.run.data_cfg)
 
     # ------------------------------------------------------------------------------ saving, stopping
     def save(self) -> None:
@@ -362,8 +364,10 @@ class Trainer:
 
     def dump_memory(self) -> None:
         if self.L.main and torch.cuda.is_available():
-            self.run.paths.dir.mkdir(parents=True, exist_ok=True)
-            self.run.paths.memory_summary.write_text(torch.cuda.memory_summary(self.L.acc.device))
+            from ..runtime.storage import write_text
+
+            write_text(self.run.paths.memory_summary, torch.cuda.memory_summary(self.L.acc.device),
+                       "the memory summary")
 
 
 def local_buffers(model, ema) -> dict:

@@ -99,12 +99,13 @@ def say_start(run) -> None:
 def finish(result: dict, run, signum: int) -> None:
     """summary.json (every process agrees it was written), the trackers' summary, the last line."""
     from ..runtime.collectives import agreed
-    from ..store.tracking import write_json
+    from ..runtime.storage import write_json
+    from ..store.tracking import scrub
 
     L, state, run_dir = run.launch, run.state, run.paths.dir
     with agreed("writing the summary", L.acc.device):
         if L.main:
-            write_json(run.paths.summary, result)
+            write_json(run.paths.summary, scrub(result), "the run's summary")
     if signum:
         if L.main:
             log.warning("Stopped by signal %d at global step %d; checkpoint saved. Re-run the same command "

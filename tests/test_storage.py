@@ -1,0 +1,150 @@
+"""The one writer (runtime/storage.py) under real faults: a full disk (a small tmpfs), a run folder
+removed mid-run, names longer than a folder name can be."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import class_tree, tiny_args, train_args, wait_for_lines
+from vramfit.errors import VramfitError
+from vramfit.runtime import storage
+
+
+@contextlib.contextmanager
+def full_disk(path, size="1m"):
+    """A real file system of `size` at `path`, filled to the last byte; skipped where this machine
+    cannot mount one."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root and a machine that allows mount")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(disk):
+    with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as f:
+        while True:
+            f.write(b"\0" * 4096)
+
+
+def test_a_full_disk_keeps_the_file_as_it_was_and_names_the_path_and_the_free_space(tmp_path):
+    with full_disk(tmp_path / "disk") as disk:
+        storage.write_json(disk / "summary.json", {"step": 1})
+        fill(disk)
+        with pytest.raises(VramfitError) as e:
+            storage.write_json(disk / "summary.json", {"step": 2, "pad": "x" * 100_000}, "the run's summary")
+        message = " ".join(str(e.value).split())
+        assert e.value.exit_code == 2 and "--output" in e.value.hint
+        assert f"Could not write the run's summary {disk / 'summary.json'}: the disk is full" in message
+        assert "free under" in message
+        assert json.loads((disk / "summary.json").read_text()) == {"step": 1}
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "summary.json"]  # no temp file left
+
+
+def test_the_best_model_on_a_full_disk_keeps_the_previous_model_whole(tmp_path):
+    """timm writes the weights with safetensors, whose full-disk error has no errno
+    (`SafetensorError`): the storage itself is asked. model/ is the old complete folder after."""
+    import timm
+
+    from vramfit.models.create import export
+
+    model = timm.create_model("resnet18", num_classes=3)
+    cfg = {"input_size": (3, 32, 32), "mean": (0.5,) * 3, "std": (0.5,) * 3}
+    with full_disk(tmp_path / "disk", "80m") as disk:
+        with storage.atomic_folder(disk / "model", "the best model") as folder:
+            export(model, folder, ["a", "b", "c"], cfg)
+        before = load_file(disk / "model" / "model.safetensors")
+        with torch.no_grad():
+            model.fc.weight.add_(1.0)
+        with pytest.raises(VramfitError) as e:  # the second copy (45 MB) does not fit beside the first
+            need = storage.tensor_bytes(model)
+            with storage.atomic_folder(disk / "model", "the best model", need) as folder:
+                export(model, folder, ["a", "b", "c"], cfg)
+        assert "the best model" in str(e.value) and "the disk is full" in str(e.value)
+        after = load_file(disk / "model" / "model.safetensors")
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in after)
+        assert sorted(p.name for p in disk.iterdir()) == ["model"]
+        assert json.loads((disk / "model" / "class_names.json").read_text()) == ["a", "b", "c"]
+
+
+@pytest.mark.slow  # trains the tiny run and runs the ONNX exporter: about 90 s on 2 cores
+def test_an_onnx_export_on_a_full_disk_blames_the_disk_and_leaves_no_model_onnx(tmp_path, capsys):
+    pytest.importorskip("onnxscript")
+    from _trained_runs import trained_run
+    from vramfit.cli import main
+
+    run = trained_run("a")
+    with full_disk(tmp_path / "disk", "1m") as disk:
+        fill(disk)
+        with pytest.raises(SystemExit) as e:
+            main(["export", "--run", str(run.path), "--format", "onnx", "--output", str(disk / "export")])
+        err = " ".join(capsys.readouterr().err.split())
+        assert e.value.code == 2 and "the disk is full" in err and "Traceback" not in err, err
+        assert "torchscript" not in err and "HINT:" in err
+        assert not list((disk / "export").glob("*.onnx*"))
+
+
+def test_the_run_folder_removed_mid_run_stops_the_run_and_is_not_recreated(tmp_path):
+    args = ["train", *tiny_args("--epochs", "20", "--set", "train.log_every_steps=1"),
+            "--output", str(tmp_path), "--run-name", "gone"]
+    proc = subprocess.Popen([sys.executable, "-m", "vramfit.cli", *args], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_lines(tmp_path / "gone" / "metrics.jsonl", 3)
+        shutil.rmtree(tmp_path / "gone")  # a cleanup script, mid-run
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    flat = " ".join(err.split())
+    assert proc.returncode == 2, err[-3000:]
+    assert "was removed while the run was writing it" in flat and "HINT:" in flat and "Traceback" not in err
+    assert not (tmp_path / "gone").exists()  # never silently rebuilt as if the run were whole
+
+
+def test_a_run_name_longer_than_a_folder_name_is_refused_before_anything_runs(tmp_path, capsys):
+    from vramfit.cli import main
+
+    for name in ("r" * 256, "é" * 128):  # 256 bytes: 256 characters, or 128 two-byte ones
+        with pytest.raises(SystemExit) as e:
+            main(["train", *tiny_args(), "--output", str(tmp_path), "--run-name", name])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "256 bytes" in err and "HINT:" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_default_run_name_from_a_long_data_folder_fits_and_stays_the_same(tmp_path):
+    """A data folder named with 250 bytes (multi-byte letters) trains into a default run folder
+    that fits a folder name, readable, and the same command names it the same."""
+    from vramfit.config import build_config
+    from vramfit.runtime.storage import NAME_MAX_BYTES
+    from vramfit.store.runfolder import default_run_name
+
+    data = class_tree(tmp_path / ("données-" + "é" * 60 + "x" * 120), {"cat": 6, "dog": 6})
+    assert len(data.name.encode()) == 249
+    cfg = build_config(None, [], {"data.source": str(data), "model.name": "test_resnet", "optim.lr": 0.123})
+    name = default_run_name(cfg, "fp32")
+    assert len(name.encode()) <= NAME_MAX_BYTES and "données-éé" in name
+    assert name == default_run_name(cfg, "fp32")
+    other = build_config(None, [], {"data.source": str(data) + "2", "model.name": "test_resnet",
+                                    "optim.lr": 0.123})
+    assert default_run_name(other, "fp32") != name
+    proc = subprocess.run([sys.executable, "-m", "vramfit.cli", "train",
+                           *train_args(data, tmp_path, "--output", str(tmp_path / "runs"))],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert len(run_dir.name.encode()) <= NAME_MAX_BYTES
+    assert (run_dir / "model" / "model.safetensors").is_file()
