@@ -68,3 +68,15 @@ def _file_size_limit() -> int | None:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def named_output(path: str | Path, default_name: str) -> Path:
+    """The file a user named for a command's output (`--csv`, `--plot`): a folder, existing or
+    written with a trailing slash, means `default_name` inside it, as `cp FILE DIR` does; the
+    folders above it are made."""
+    given = str(path)
+    out = Path(path)
+    if out.is_dir() or given.endswith(("/", os.sep)):
+        out = out / default_name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
