@@ -105,3 +105,22 @@ def test_the_default_table_fits_120_columns_with_long_run_names(tmp_path, capsys
     assert {line.split()[0] for line in lines[2:]} == {"lr0.001", "lr0.002"}
     assert cli(["compare", str(tmp_path), "--wide"]) == 0
     assert {line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]} == set(names)
+
+
+def test_csv_and_plot_into_a_folder_write_inside_it_and_say_where(tmp_path, capsys):
+    """`--csv DIR` / `--plot DIR` (an existing folder) write DIR/runs.csv and DIR/compare.png, as
+    `cp FILE DIR` would, and the lines say the paths written; a plot named without an extension
+    gets `.png` and is told as such."""
+    from vramfit.cli import run as cli
+
+    a = trained_run("a")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert cli(["compare", str(a.path), "--csv", str(folder), "--plot", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"table written to {folder / 'runs.csv'}\n" in out
+    assert f"plot written to {folder / 'compare.png'}\n" in out
+    assert (folder / "runs.csv").read_text().startswith("run,") and (folder / "compare.png").is_file()
+    assert cli(["compare", str(a.path), "--plot", str(tmp_path / "fig")]) == 0
+    assert f"plot written to {tmp_path / 'fig.png'}\n" in capsys.readouterr().out
+    assert (tmp_path / "fig.png").is_file()

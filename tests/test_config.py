@@ -257,3 +257,51 @@ def test_every_command_has_a_description_examples_and_help_on_every_flag():
         missing = [a.dest for a in p._actions if not a.help and not isinstance(a, argparse._HelpAction)]
         assert not missing, (name, missing)
     assert "recipes: " in commands.choices["train"].epilog and "quickstart" in commands.choices["train"].epilog
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--set", "optim.lr=[1"], "`--set optim.lr=[1`: the value `[1` is not valid YAML"),
+    (["--set", "data.source=: :"], "is not valid YAML"),
+    (["--set", "model.name=@x"], "is not valid YAML"),
+    (["--recipe", "latin1.yaml"], "latin1.yaml is not UTF-8 text"),
+    (["--recipe", "list.yaml"], "list.yaml must be a mapping of sections, got list"),
+    (["--set", "train=3", "--set", "train.epochs=2"], "`train` was given a value (3)"),
+    (["--set", "optim.lr.x=1"], "`optim.lr` is a value, not a section"),
+    (["--set", "data.image_size.w=1"], "`data.image_size` is a value, not a section"),
+])
+def test_malformed_input_is_named_with_a_hint(argv, said, tmp_path, monkeypatch, capsys):
+    """Through the real command line: exit 2, the file or key named, a HINT, never a traceback."""
+    from vramfit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "latin1.yaml").write_bytes("train:\n  epochs: 2  # caf\xe9\n".encode("latin-1"))
+    (tmp_path / "list.yaml").write_text("- train\n- optim\n")
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and said in err and " HINT: " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"WORLD_SIZE": "2"}, "half set: WORLD_SIZE=2, but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+    ({"RANK": "1"}, "half set: RANK=1, but not WORLD_SIZE"),
+    ({"LOCAL_RANK": "0"}, "half set: LOCAL_RANK=0, but not RANK, WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}, "but not MASTER_ADDR"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': not a whole number"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "RANK=2 is not below WORLD_SIZE=2"),
+])
+def test_half_set_launch_variables_are_named(env, said, tmp_path, monkeypatch, capsys):
+    """Before Accelerate reads them (its ValueError traceback, or a silent wait)."""
+    from helpers import tiny_args
+    from vramfit.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        main(["train", *tiny_args(), "--output", str(tmp_path)])
+    err = " ".join(capsys.readouterr().err.split())  # the paragraph as one line, wherever it wrapped
+    assert e.value.code == 2 and said in err and "HINT: " in err and "torchrun --nproc_per_node 2" in err
+    assert "Traceback" not in err and not any(tmp_path.iterdir())

@@ -339,3 +339,31 @@ def test_a_worker_killed_under_torchrun_max_restarts_resumes_to_the_same_weights
     steps = [json.loads(line)["step"] for line in (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "train"]
     assert steps == sorted(set(steps)) and steps[-1] == 9  # no step twice in the record
+
+
+def test_two_processes_launched_by_hand_and_a_second_later_equal_torchrun(folder, tmp_path, micro_4):
+    """RANK, WORLD_SIZE, ... set by hand (as a script or `srun` does), rank 1 started 3 s after rank
+    0: rank 0 says whom it waits for, the group forms, and the run ends as torchrun's."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["train", "--data", str(folder), "--model", "test_resnet", "--image-size", "24",
+            "--global-batch", "16", "--epochs", "1", "--output", str(tmp_path), "--run-name", "byhand",
+            "--set", "data.num_workers=0",
+            "--set", "model.bn=freeze", "--set", "data.crop_pct=1.0", "--set", "train.log_every_steps=1",
+            "--set", "data.color_jitter_on=device", "--micro-batch", "4"]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "vramfit.cli", *args], cwd=REPO, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        time.sleep(3)
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    assert f"waiting for 1 of 2 processes at 127.0.0.1:{port} (rank 0 here)" in errs[0]
+    assert _close(_final(micro_4), _final(tmp_path / "byhand"))

@@ -333,3 +333,31 @@ def test_ctrl_c_and_ctrl_z_under_accelerate_launch_in_a_terminal(tmp_path, worke
     assert "[1]+  Stopped" in said[:mark]  # bash's own word for a stopped job
     saved = checkpoint.latest(run / "checkpoints")
     assert saved is not None and checkpoint.read_state(saved)["global_step"] >= stopped_at
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank, said", [(0, "waiting for 1 of 2 processes at 127.0.0.1:{port} (rank 0 here)"),
+                                        (1, "waiting for rank 0 at 127.0.0.1:{port} (rank 1 here)")])
+def test_a_process_whose_others_never_start_says_so_and_ends(rank, said, tmp_path):
+    """Launched by hand with every variable set, but the other process never starts: the wait is
+    said while it lasts (for whom, where) and ends with exit 2 (the wait set short here)."""
+    import subprocess
+    import sys
+
+    from helpers import tiny_args
+
+    port = _free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "VRAMFIT_RENDEZVOUS_SECONDS": "4"}
+    cmd = [sys.executable, "-m", "vramfit.cli", "train", *tiny_args(), "--output", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert said.format(port=port) in proc.stderr and "HINT: start ranks 0 to 1" in proc.stderr
+    assert "Traceback" not in proc.stderr and not any(tmp_path.iterdir())

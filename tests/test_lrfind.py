@@ -56,3 +56,15 @@ def test_suggestion_is_a_tenth_of_the_smoothed_minimum():
 def test_the_command_line_takes_lr_find():
     ns = parser().parse_args(["lr-find", "--recipe", "quickstart", "--steps", "30", "--plot", "x.png"])
     assert (ns.command, ns.steps, ns.plot, ns.start_lr, ns.end_lr) == ("lr-find", 30, "x.png", 1e-7, 10.0)
+
+
+def test_the_plot_goes_where_it_is_said_to(tmp_path):
+    """`--plot DIR` writes DIR/lr_find.png, `--plot NAME` NAME.png (matplotlib's own default), and
+    the path returned is the one written, which is the one printed."""
+    lrs, losses = [1e-4 * 1.5 ** i for i in range(20)], [2.0 - 0.05 * i for i in range(20)]
+    assert lr_find.plot(lrs, losses, 1e-3, tmp_path, "t") == tmp_path / "lr_find.png"
+    assert lr_find.plot(lrs, losses, 1e-3, tmp_path / "sweep", "t") == tmp_path / "sweep.png"
+    for written in (tmp_path / "lr_find.png", tmp_path / "sweep.png"):
+        with Image.open(written) as png:
+            assert png.format == "PNG"
+    assert not (tmp_path / "sweep").exists()

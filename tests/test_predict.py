@@ -154,3 +154,22 @@ def test_loader_workers_give_the_same_scores(run):
     assert alone.positions == shared.positions == list(range(12))
     assert torch.equal(alone.logits, shared.logits)
     assert shared.unreadable == [(12, "x.png: not an image")]
+
+
+def test_predict_into_a_closed_pipe_ends_quietly(run, tmp_path):
+    """`vramfit predict ... --csv | head -1`: the reader closes the pipe after one line; the command
+    ends as `cat` would (141, SIGPIPE's), with nothing on stderr."""
+    import subprocess
+    import sys
+
+    images = tmp_path / "imgs"
+    for i in range(300):  # more CSV than a pipe holds, so the writer meets the closed end
+        (images / str(i % 3)).mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (i % 256, 0, 0)).save(images / str(i % 3) / f"{i}.png")
+    cmd = [sys.executable, "-m", "vramfit.cli", "predict", "--run", str(run.path), str(images), "--csv"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and first.startswith(b"file,rank,label,probability")
+    assert err == "", err

@@ -164,6 +164,58 @@ def test_real_sigterm_with_workers_saves_and_resumes_exactly(tmp_path, train_cli
     assert _same(_weights(tmp_path / "ref"), _weights(tmp_path / "sig"))
 
 
+def _on_a_terminal(cmd: list[str], cwd) -> tuple[subprocess.Popen, int, "threading.Event"]:
+    """`cmd` as a job in a terminal of its own (a pseudo-terminal that is its controlling terminal,
+    as an ssh session's is); what it prints is read and dropped. Closing the returned master fd is
+    closing the terminal's window: the kernel hangs the terminal up and sends SIGHUP to the job."""
+    import fcntl
+    import pty
+    import select
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(slave)
+    done = threading.Event()
+
+    def drain():
+        while not done.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    os.read(master, 65536)
+                except OSError:
+                    return
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc, master, done
+
+
+def test_a_closed_terminal_saves_and_the_same_command_resumes_exactly(tmp_path, train_cli):
+    """The terminal of a run (and of its 2 loader workers) is closed mid-epoch: SIGHUP. The run saves
+    the last completed step although nothing can be printed any more, exits 129, and the same
+    command resumes it to the weights of a run never interrupted."""
+    short = ("--set", "train.log_every_steps=1", "--set", "data.limit_train_samples=240")
+    ref, code = train_cli(*tiny_args(*short), run_name="ref", output=tmp_path)
+    assert code == 0
+    args = ["train", *tiny_args(*short, "--set", "data.num_workers=2"), "--output", str(tmp_path),
+            "--run-name", "hup"]
+    cmd = [sys.executable, "-m", "vramfit.cli", *args]
+    proc, master, reading = _on_a_terminal(cmd, tmp_path)
+    wait_for_lines(tmp_path / "hup" / "metrics.jsonl", 5)
+    reading.set()
+    time.sleep(0.2)
+    os.close(master)  # the window closes
+    assert proc.wait(timeout=120) == 128 + signal.SIGHUP
+    saved = checkpoint.latest(tmp_path / "hup" / "checkpoints")
+    assert saved is not None and 5 <= checkpoint.read_state(saved)["global_step"] < 15
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "Resumed from" in again.stderr
+    assert _same(_weights(tmp_path / "ref"), _weights(tmp_path / "hup"))
+
+
 def test_secrets_never_reach_the_run_folder(tmp_path):
     pytest.importorskip("wandb")
     sentinel = "sentinel-3f9a1c7e5b2d4a6f8e0c1b3d5f7a9c2e4b6d8f0a"

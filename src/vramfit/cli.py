@@ -207,8 +207,10 @@ def parser() -> argparse.ArgumentParser:
     cm.add_argument("runs", nargs="+", help="run folders, or an output folder such as runs/")
     cm.add_argument("--sort", default="best_accuracy", help="summary.json key to sort by (descending)")
     cm.add_argument("--json", action="store_true", help="print the runs as JSON")
-    cm.add_argument("--plot", metavar="PNG", help="write accuracy vs wall time, peak memory and throughput")
-    cm.add_argument("--csv", metavar="FILE", help="write the table as CSV (raw numbers)")
+    cm.add_argument("--plot", metavar="PNG", help="write accuracy vs wall time, peak memory and throughput "
+                    "(a folder: compare.png in it)")
+    cm.add_argument("--csv", metavar="FILE",
+                    help="write the table as CSV (raw numbers; a folder: runs.csv in it)")
     cm.add_argument("--wide", action="store_true",
                     help="every column and full run names (the default table fits 120 columns)")
 
@@ -240,7 +242,8 @@ def parser() -> argparse.ArgumentParser:
                     help="optimizer steps of the sweep at most (default 100, at least 10)")
     lf.add_argument("--start-lr", type=POSITIVE, default=1e-7, metavar="LR", help="first LR of the sweep (default 1e-7)")
     lf.add_argument("--end-lr", type=POSITIVE, default=10.0, metavar="LR", help="last LR of the sweep (default 10)")
-    lf.add_argument("--plot", default="lr_find.png", help="where the plot goes (PNG, default ./lr_find.png)")
+    lf.add_argument("--plot", default="lr_find.png",
+                    help="where the plot goes (PNG, default ./lr_find.png; a folder: lr_find.png in it)")
     return ap
 
 
@@ -384,6 +387,11 @@ def main(argv: list[str] | None = None) -> None:
             stream.reconfigure(errors="backslashreplace")
     try:
         code = run(argv)
+        sys.stdout.flush()  # a closed pipe is found here, not in the exit's own flush (exit 120)
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise
+        sys.exit(128 + 13)  # as `cat` into `head` ends (SIGPIPE): the reader took what it wanted
     except VramfitError as e:
         if _prints_here(e):
             _print_error(e)
@@ -408,6 +416,29 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code)
 
 
+def _reader_gone() -> bool:
+    """Standard output (or error) is a pipe whose reader closed it (`vramfit predict ... | head -1`):
+    pointed at /dev/null, so that the exit's flush of what is left cannot fail again. Python's own
+    advice for SIGPIPE (docs.python.org/3/library/signal.html#note-on-sigpipe), rather than
+    SIGPIPE's default action, which would also end the process on a socket's closed peer."""
+    import select
+
+    gone = []
+    for fd in (1, 2):
+        try:
+            poll = select.poll()
+            poll.register(fd, select.POLLOUT)
+            if any(ev & select.POLLERR for _, ev in poll.poll(0)):  # a pipe without a reader
+                gone.append(fd)
+        except (OSError, ValueError):
+            continue
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in gone:
+        os.dup2(null, fd)
+    os.close(null)
+    return bool(gone)
+
+
 def _close_process_group() -> None:
     """Every process reached the same error (see collectives.agreed): close the process group
     before exiting, or its threads abort the interpreter on the way out (SIGABRT, not our code)."""
@@ -425,14 +456,20 @@ def _prints_here(e: VramfitError) -> bool:
     model checks are deterministic; OOM, NaN and bad-file stops are agreed) is printed by the
     machine's first process; one that only some processes hit (`failed_ranks`, see
     collectives.agreed) by the first of those on each machine, so it is never lost."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = _env_int("LOCAL_RANK", 0)
     failed = getattr(e, "failed_ranks", None)
     if not failed:
         return local == 0
-    rank = int(os.environ.get("RANK", "0"))
+    rank = _env_int("RANK", 0)
     first_here = rank - local
-    size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    size = _env_int("LOCAL_WORLD_SIZE", 1)
     return rank == min(r for r in failed if first_here <= r < first_here + size)
+
+
+def _env_int(name: str, default: int) -> int:
+    """A launch variable as a number; the default where it is not one (the error says so)."""
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.strip().isdigit() else default
 
 
 def _print_error(e: VramfitError) -> None:

@@ -7,6 +7,7 @@ Every section rejects unknown keys and suggests the closest valid one, so a typo
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -395,23 +396,59 @@ def find_recipe(name: str) -> Path:
 def load_recipe(name: str) -> dict[str, Any]:
     path = find_recipe(name)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise VramfitError(f"Recipe {path} is not UTF-8 text (byte {e.start}: {e.reason}).",
+                           hint=f"save {path} as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or name the YAML "
+                                "recipe you meant") from None
+    except OSError as e:
+        raise VramfitError(f"Recipe {path} cannot be read: {e.strerror or e}.",
+                           hint="check the path and its permissions") from None
     except yaml.YAMLError as e:
         raise VramfitError(f"Recipe {path} is not valid YAML: {e}", hint="fix the file's syntax") from e
     if not isinstance(data, dict):
-        raise VramfitError(f"Recipe {path} must be a mapping of sections, got {type(data).__name__}.")
+        raise VramfitError(f"Recipe {path} must be a mapping of sections, got {type(data).__name__}.",
+                           hint=f"write {path} as sections of keys, e.g. `train:` then `  epochs: 10` on the "
+                                "next line (docs/recipes.md)")
     return data
 
 
-def _set_path(tree: dict, dotted: str, value: Any) -> None:
+def _set_path(tree: dict, dotted: str, value: Any, given: str = "") -> None:
+    """`given`: how the user wrote it (`--set a.b=1`), for the message."""
     keys = dotted.split(".")
     node = tree
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
         nxt = node.setdefault(k, {})
         if not isinstance(nxt, dict):
-            raise VramfitError(f"Cannot set `{dotted}`: `{k}` is a value, not a section.")
+            held = ".".join(keys[:i + 1])
+            raise VramfitError(f"Cannot set `{dotted}`{' (' + given + ')' if given else ''}: `{held}` was "
+                               f"given a value ({nxt!r}), so it is not a section any more.",
+                               hint=f"drop the `--set {held}=...` (or the recipe's `{held}:` value) and "
+                                    f"set its keys one by one, e.g. --set {dotted}=...")
         node = nxt
     node[keys[-1]] = value
+
+
+def _check_sections(dotted: str, given: str) -> None:
+    """`optim.lr.x` names a key under a value: said here, naming `optim.lr` (validation would only
+    say that a number was expected). Unknown keys are left to validation, which suggests the closest."""
+    model: type[BaseModel] = Config
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[:-1]):
+        field = model.model_fields.get(part)
+        if field is None:
+            return
+        sections = [a for a in (field.annotation, *typing.get_args(field.annotation))
+                    if isinstance(a, type) and issubclass(a, BaseModel)]
+        if sections:
+            model = sections[0]
+            continue
+        if dict in (field.annotation, typing.get_origin(field.annotation)):
+            return
+        held = ".".join(parts[:i + 1])
+        raise VramfitError(f"`{given}`: `{held}` is a value, not a section, so `{dotted}` does not exist.",
+                           hint=f"set the value itself, e.g. --set {held}=VALUE (docs/recipes.md lists "
+                                "the keys)")
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -421,7 +458,17 @@ def parse_set(items: list[str]) -> dict[str, Any]:
             raise VramfitError(f"`--set {item}` is not of the form key=value.",
                                hint="write e.g. --set optim.lr=3e-4 --set data.image_size=160")
         key, raw = item.split("=", 1)
-        _set_path(out, key.strip(), yaml.safe_load(raw) if raw != "" else None)
+        key = key.strip()
+        _check_sections(key, f"--set {item}")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            why = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise VramfitError(f"`--set {item}`: the value `{raw}` is not valid YAML ({why}).",
+                               hint="quote text for YAML inside the shell's quotes: "
+                                    f"--set '{key}=\"{raw}\"'; "
+                                    "a list is written [a, b], a number as 3e-4") from None
+        _set_path(out, key, value, f"--set {item}")
     return out
 
 

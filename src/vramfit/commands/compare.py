@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import VramfitError, damaged_file
+from ..runtime.storage import atomic_path, named_output
 from ..store.runfolder import RunPaths, data_short_name
 from ..store.tracking import read_metrics
 
@@ -42,6 +43,8 @@ def load_run(path: Path) -> dict:
         cfg = yaml.safe_load(files.config.read_text()) if files.config.is_file() else {}
         if not isinstance(s, dict):
             raise ValueError("not a JSON object")
+        if not isinstance(cfg, (dict, type(None))):  # config.yaml edited into a list or a word
+            raise ValueError(f"{files.config.name} is not a mapping of sections")
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise damaged_file(path, e) from None
     evals = eval_history(files.metrics)
@@ -129,14 +132,15 @@ def csv_row(run: dict) -> dict:
     return row
 
 
-def write_csv(runs: list[dict], path: Path) -> None:
-    from ..runtime.storage import atomic_path
-
+def write_csv(runs: list[dict], path: Path) -> Path:
+    """Into `path` (a folder: runs.csv in it); returns the path written."""
+    path = named_output(path, "runs.csv")
     with atomic_path(path, "the table") as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         for r in runs:
             w.writerow(csv_row(r))
+    return path
 
 
 def plot(runs: list[dict], path: Path) -> Path:
@@ -150,7 +154,7 @@ def plot(runs: list[dict], path: Path) -> Path:
                "peak_gib": gib(r["summary"].get("peak_memory_bytes")),
                "planned_gib": gib(r["summary"].get("predicted_peak_memory_bytes")),
                "images_per_second": r["summary"].get("images_per_second")} for r in runs]
-    return save_png(compare_figure(series), path)
+    return save_png(compare_figure(series), path, default_name="compare.png")
 
 
 def short_labels(names: list[str]) -> list[str]:
@@ -202,9 +206,9 @@ def compare(paths: list[str], sort: str = "best_accuracy", as_json: bool = False
     else:
         out.write(table(runs, wide) + "\n")
     if csv_path:
-        write_csv(runs, Path(csv_path))
+        csv_path = write_csv(runs, Path(csv_path))
     if plot_path:
-        plot(runs, Path(plot_path))
+        plot_path = plot(runs, Path(plot_path))
     for what, where in (("table", csv_path), ("plot", plot_path)):
         if where and not as_json:
             out.write(f"{what} written to {where}\n")

@@ -99,11 +99,12 @@ def amp_settings(precision) -> dict:
             "grad_scaler": torch.amp.GradScaler(device_type, enabled=precision.scales_loss)}
 
 
-def plot(lrs: list[float], losses: list[float], suggestion: float, path: Path, title: str) -> None:
+def plot(lrs: list[float], losses: list[float], suggestion: float, path: Path, title: str) -> Path:
+    """Returns the path written (a folder: lr_find.png in it)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from ..runtime.storage import atomic_path
+    from ..store.figures import save_png
 
     fig = Figure(figsize=(6, 4))
     FigureCanvasAgg(fig)
@@ -117,10 +118,7 @@ def plot(lrs: list[float], losses: list[float], suggestion: float, path: Path, t
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    if not path.suffix:  # where matplotlib's savefig put it: a .png added
-        path = path.with_name(path.name + ".png")
-    with atomic_path(path, "the plot") as tmp:
-        fig.savefig(tmp, dpi=100, format=path.suffix.lstrip("."))
+    return save_png(fig, path, dpi=100, default_name="lr_find.png")
 
 
 def lr_find(cfg: Config, num_iter: int = 100, start_lr: float = 1e-7, end_lr: float = 10.0,
@@ -149,7 +147,7 @@ def lr_find(cfg: Config, num_iter: int = 100, start_lr: float = 1e-7, end_lr: fl
     lr = suggest(lrs, losses)
     stated, _ = scaled_lr(cfg.optim, cfg.train.global_batch)
     g = cfg.train.global_batch
-    plot(lrs, losses, lr, Path(plot_path), f"{cfg.model.name}, global batch {g}")
+    plot_path = plot(lrs, losses, lr, Path(plot_path), f"{cfg.model.name}, global batch {g}")
     result = {"suggested_lr": lr, "recipe_lr": stated, "global_batch": g, "steps": len(lrs),
               "stopped_early": len(lrs) < num_iter, "plot": str(plot_path),
               "lrs": [float(x) for x in lrs], "losses": [float(x) for x in losses]}

@@ -1,10 +1,11 @@
 """Loader worker processes: how many, how they treat signals, and that they end with the run.
 
-Workers ignore SIGTERM/SIGINT: a signal sent to the whole process group (Ctrl-C, a scheduler's
-SIGTERM) must not kill them before the main process has saved its checkpoint. The price is that
-they also ignore the SIGTERM multiprocessing sends them when the main process exits, and its exit
-then waits on them forever (an error raised mid-epoch leaves the loader's workers running); so the
-main process ends them itself, at exit, with a signal they cannot ignore.
+Workers ignore the stop signals (collectives.STOP_SIGNALS): one sent to the whole process group
+(Ctrl-C, a closed terminal's SIGHUP, a scheduler's SIGTERM) must not kill them before the main
+process has saved its checkpoint. The price is that they also ignore the SIGTERM multiprocessing
+sends them when the main process exits, and its exit then waits on them forever (an error raised
+mid-epoch leaves the loader's workers running); so the main process ends them itself, at exit, with
+a signal they cannot ignore.
 
 Ctrl-Z and `fg`/`bg` act on workers through the kernel's defaults (runtime/terminal.py stops and continues
 the trainer's whole job): a forked worker inherits the trainer's Python handlers for SIGTSTP and
@@ -27,6 +28,7 @@ from typing import Callable
 import torch
 
 from ..config import DataConfig
+from ..runtime.collectives import STOP_SIGNALS
 
 _REGISTERED = False
 
@@ -92,9 +94,9 @@ def resolve_workers(cfg: DataConfig, device_type: str, local: int,
 
 def init_worker(_worker_id: int) -> None:
     """`worker_init_fn` of every loader with workers (see the module docstring)."""
-    for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)):
-        if s is not None:
-            signal.signal(s, signal.SIG_IGN)
+    for name in STOP_SIGNALS:  # a terminal's hangup reaches the workers too: they must outlive the save
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     for s in (getattr(signal, "SIGTSTP", None), getattr(signal, "SIGCONT", None)):
         if s is not None:
             signal.signal(s, signal.SIG_DFL)

@@ -100,6 +100,9 @@ def start(cfg, run_dir: Path | None = None, precision: Precision | None = None) 
     with the run's trackers when `run_dir` is given (TensorBoard writes into it), none without
     (lr-find, benches). Once more after `forget()` (another run in the same process) it makes a new
     Accelerator on the process group it has."""
+    from . import rendezvous
+
+    rendezvous.check_env()  # before anything reads them: half-set launch variables are named
     # Must be set before CUDA initialises; expandable segments cut fragmentation-driven OOMs.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from accelerate import Accelerator
@@ -119,6 +122,7 @@ def start(cfg, run_dir: Path | None = None, precision: Precision | None = None) 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     precision = precision or precisions.here(cfg)
     _join_elastic_round(device_type)
+    rendezvous.gather(device_type)  # a launch by hand: every process arrived, or exit 2 saying who not
     acc = Accelerator(mixed_precision=precision.accelerate,
                       cpu=device_type == "cpu",  # without it Accelerate ignores a torchrun world on CPU
                       log_with=log_with(cfg, run_dir) if run_dir is not None else None,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import stat
 import sys
 
 from .collectives import STOP_SIGNALS
@@ -37,6 +39,22 @@ def end_with_parent() -> bool:
     return True
 
 
+def drop_lost_output() -> None:
+    """After a hangup (a closed terminal, a dropped ssh session) the terminal is gone, and a pipe
+    into `tee` or `less` in the same job goes with it: a write to them fails (EIO, EPIPE), and a
+    print or a log line would end the run before its save, or Python's exit flush would turn exit
+    129 into 120. Standard output and error that are not regular files are pointed at /dev/null;
+    output into a file (nohup, `> log`, a scheduler's log) carries on."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 class SignalFlag:
     def __init__(self):
         self.signum = 0
@@ -50,10 +68,13 @@ class SignalFlag:
         return self
 
     def _handle(self, signum, _frame) -> None:
+        if signum == getattr(signal, "SIGHUP", None):
+            drop_lost_output()
         if not self.signum and os.environ.get("LOCAL_RANK", "0") == "0":
             # Said at once (a step can take half a minute); os.write is safe inside a handler.
-            os.write(2, f"\nvramfit: signal {signum} received: saving the last completed step, then "
-                        "stopping\n".encode())
+            with contextlib.suppress(OSError):  # nobody left to read it: the save matters, not the line
+                os.write(2, f"\nvramfit: signal {signum} received: saving the last completed step, then "
+                            "stopping\n".encode())
         self.signum = signum
 
     def raise_flag(self, signum: int = signal.SIGTERM) -> None:

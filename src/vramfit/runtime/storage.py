@@ -344,3 +344,15 @@ def quiet_writer_threads() -> None:
 
 
 _quiet_threads: list = []
+
+
+def named_output(path: str | Path, default_name: str) -> Path:
+    """The file a user named for a command's output (`--csv`, `--plot`): a folder, existing or
+    written with a trailing slash, means `default_name` inside it, as `cp FILE DIR` does; the
+    folders above it are made."""
+    given = str(path)
+    out = Path(path)
+    if out.is_dir() or given.endswith(("/", os.sep)):
+        out = out / default_name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out

@@ -12,18 +12,26 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ..errors import VramfitError
+from ..runtime.storage import atomic_path, named_output
+
 # Above this many classes the cells are too small to write counts or every class name into.
 ANNOTATE_MAX_CLASSES = 20
 TICK_LABELS_MAX_CLASSES = 60
 
 
-def save_png(fig: Figure, path: Path, dpi: int = 120) -> Path:
-    from ..runtime.storage import atomic_path
-
-    path = Path(path)
-    FigureCanvasAgg(fig)
+def save_png(fig: Figure, path: Path, dpi: int = 120, default_name: str = "figure.png") -> Path:
+    """Into `path` (a folder: `default_name` in it; no extension: `.png` added, as matplotlib
+    would), whole or not at all; returns the path written, which is what the user is told."""
+    path = named_output(path, default_name)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    canvas = FigureCanvasAgg(fig)
+    if path.suffix[1:].lower() not in canvas.get_supported_filetypes():
+        raise VramfitError(f"{path}: `{path.suffix}` is not an image format matplotlib writes.",
+                           hint=f"name a .png file (or .svg, .pdf), e.g. {path.with_suffix('.png')}")
     with atomic_path(path, "the figure") as tmp:
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=path.suffix[1:].lower())
     return path
 
 
