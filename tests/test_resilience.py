@@ -161,7 +161,8 @@ def test_sigkill_rerun_at_once_resumes_while_its_orphaned_loader_worker_lives(tm
              "--set", "data.limit_val_samples=32", "--set", "checkpoint.every_steps=2")
     ref, code = train_cli(*tiny_args(*short), run_name="ref", output=tmp_path)
     assert code == 0
-    args = ["train", *tiny_args(*short, "--set", "data.num_workers=1"), "--output", str(tmp_path), "--run-name", "k"]
+    args = ["train", *tiny_args(*short, "--set", "data.num_workers=1"), "--output", str(tmp_path),
+            "--run-name", "k"]
     proc = subprocess.Popen([sys.executable, "-c", ORPHANED_WORKERS, *args], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers = []
