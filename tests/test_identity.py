@@ -145,3 +145,61 @@ def test_a_checkpoint_that_does_not_record_its_settings_is_not_resumed_unsaid(tm
     allowed = cfg.model_copy(update={"allow_resume_change": True})
     notes, record = resume.check(allowed, point, 1, new)
     assert record is None and notes == []
+
+
+def test_the_runs_own_output_is_not_data_however_it_is_spelt(tmp_path, monkeypatch):
+    """--output inside the data folder given relative, with `./`, absolute or through a link, or the
+    data folder itself (its run folders are vramfit's, never data): the listing stays the data's."""
+    from vramfit.store.resume import data_identity
+
+    monkeypatch.chdir(tmp_path)
+    class_tree(tmp_path / "data", {"a": 2, "b": 2})
+    before = data_identity("data")
+    runs = tmp_path / "data" / "runs"
+    (runs / "r" / "checkpoints").mkdir(parents=True)
+    (runs / "notes.txt").write_text("not a run folder, but inside --output")
+    (tmp_path / "link").symlink_to(runs)
+    for skip in ("data/runs", "./data/runs", str(runs), "link", "./data/../data/runs/"):
+        assert data_identity("./data", skip=Path(skip)) == before, skip
+    assert data_identity("data") != before  # the negative control: not skipped
+    (runs / "notes.txt").unlink()
+    (runs / "r" / ".vramfit.lock").write_text("pid 1")  # a run folder, wherever it sits
+    assert data_identity(str(tmp_path / "data")) == before
+
+
+def test_output_equal_to_the_data_folder_resumes(tmp_path, train_cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = class_tree(tmp_path / "data", {"a": 8, "b": 8})
+    args = train_args("data", "./data", "--epochs", "2", "--set", "data.val_fraction=0.25")
+    run_dir, code = train_cli(*args, "--set", "debug.signal_at_step=2", output="./data")
+    assert code == 143
+    run_dir, code = train_cli(*args, output="./data")
+    assert code == 0 and run_dir.parent.resolve() == data
+    assert json.loads((run_dir / "model" / "class_names.json").read_text()) == ["a", "b"]
+
+
+def test_a_builtin_name_means_the_builtin_data_wherever_the_run_is_resumed(tmp_path, train_cli, monkeypatch,
+                                                                           caplog):
+    """Stopped where no `digits/` exists, resumed where one does: the same run (exit 0), the folder said
+    and not read; `./digits` is that folder, in the data loaded and in the identity alike."""
+    from vramfit.data import load_source
+    from vramfit.store.resume import identity
+
+    monkeypatch.chdir(tmp_path)
+    run_dir, code = train_cli(*ARGS, "--set", "debug.signal_at_step=3", run_name="d")
+    assert code == 143
+    class_tree(tmp_path / "digits", {"a": 3, "b": 3})
+    with caplog.at_level("INFO"):
+        run_dir, code = train_cli(*ARGS, run_name="d")
+    assert code == 0
+    assert "--data digits is the built-in dataset; the digits here" in caplog.text
+    assert "./digits" in caplog.text
+    assert len(json.loads((run_dir / "model" / "class_names.json").read_text())) == 10
+
+    local = Config.model_validate({"data": {"source": "./digits"}})
+    assert load_source(local.data).class_names == ["a", "b"]
+    maths = identity(local, "fp32").maths
+    assert maths["data.source"] == str(tmp_path.resolve() / "digits")
+    assert maths["data.listing"].startswith("6 files")
+    maths = identity(Config.model_validate({"data": {"source": "digits"}}), "fp32").maths
+    assert maths["data.source"] == "digits" and maths["data.listing"] is None

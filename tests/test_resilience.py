@@ -1,5 +1,6 @@
 """Nothing is lost: exact resume (and its negative control), atomic saves under SIGKILL, real signals,
 non-finite losses, refused resumes, and secrets that never reach the run folder."""
+import contextlib
 import json
 import os
 import signal
@@ -139,6 +140,48 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path, train_cli, cap
     assert code == 0
     resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Resumed from")]
     assert resumed and "step-10" in resumed[0]
+
+
+# A loader worker learns that its trainer died only when it next checks (every 5 s; later under
+# load): here it never does, so it outlives the trainer for as long as the test needs.
+ORPHANED_WORKERS = textwrap.dedent("""
+    import sys
+    from torch.utils.data._utils import worker
+    worker.ManagerWatchdog.is_alive = lambda self: True
+    from vramfit.cli import main
+    main(sys.argv[1:])
+""")
+
+
+def test_sigkill_rerun_at_once_resumes_while_its_orphaned_loader_worker_lives(tmp_path, train_cli):
+    """SIGKILL mid-epoch, the same command rerun at once: a forked loader worker of the killed run is
+    still alive, and it must not hold the run folder's lock (the rerun resumes, exit 0, and ends bitwise
+    equal to an uninterrupted run)."""
+    short = ("--set", "train.log_every_steps=1", "--set", "data.limit_train_samples=160",
+             "--set", "data.limit_val_samples=32", "--set", "checkpoint.every_steps=2")
+    ref, code = train_cli(*tiny_args(*short), run_name="ref", output=tmp_path)
+    assert code == 0
+    args = ["train", *tiny_args(*short, "--set", "data.num_workers=1"), "--output", str(tmp_path),
+            "--run-name", "k"]
+    proc = subprocess.Popen([sys.executable, "-c", ORPHANED_WORKERS, *args], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        wait_for_lines(tmp_path / "k" / "metrics.jsonl", 5)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        proc.kill()  # mid-epoch (10 steps per epoch)
+        proc.wait()
+        assert workers and all(os.path.exists(f"/proc/{pid}") for pid in workers), "a worker outlives the run"
+        assert checkpoint.latest(tmp_path / "k" / "checkpoints") is not None
+        run_dir, code = train_cli(*args[1:-4], run_name="k", output=tmp_path)
+        assert code == 0
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert _same(_weights(ref), _weights(run_dir))
+    assert _losses(run_dir)[-5:] == _losses(ref)[-5:]
 
 
 def test_real_sigterm_with_workers_saves_and_resumes_exactly(tmp_path, train_cli):

@@ -18,6 +18,25 @@ BUILTIN = ("digits",)
 _VERSION = "v1"
 
 
+def local_source(source: str) -> Path | None:
+    """The file or folder on this machine a --data value names; None for a Hub id and for a built-in
+    name, which always means the built-in data wherever the command runs (a local folder of that
+    name is reached as `./digits`). The one rule the data loading (data.sources) and the run's
+    identity (store.resume) follow, so a run resumes from any folder it is rerun in."""
+    if source in BUILTIN:
+        return None
+    path = Path(source).expanduser()
+    return path if path.exists() else None
+
+
+def shadow_note(source: str) -> str | None:
+    """What to say when a built-in name is also a file or folder here (which is not read)."""
+    if source not in BUILTIN or not Path(source).exists():
+        return None
+    return (f"--data {source} is the built-in dataset; the {source} here ({Path(source).resolve()}) is not "
+            f"read (pass ./{source} to train on it)")
+
+
 def cache_root(override: str | None = None) -> Path:
     if override:
         return Path(override).expanduser()

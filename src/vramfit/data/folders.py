@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import VramfitError
+from ..store.runfolder import is_run_folder
 from .schema import SPLIT_NAMES, TRAIN_SPLITS
 
 # Files an image folder may hold as samples (case-insensitive). Everything else (.txt, .DS_Store,
@@ -53,9 +54,12 @@ class ImageFolder:
     empty_classes: list[str]  # class folders without a single image, as `split/name` or `name`
 
 
-def walk(root: Path) -> Listing:
-    """Every file under root, sorted, following folder links once (a link cycle cannot loop)."""
+def walk(root: Path, skip: Path | None = None) -> Listing:
+    """Every file under root, sorted, following folder links once (a link cycle cannot loop). Never
+    data: hidden and system folders, vramfit's own run folders (a run whose --output is the data
+    folder or inside it), and `skip` (however it is spelt: relative, absolute, through a link)."""
     out, skipped, dirs, seen = [], [], [], set()
+    skip_at = os.path.realpath(skip) if skip is not None else None
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         real = os.path.realpath(dirpath)
         if real in seen:
@@ -64,8 +68,10 @@ def walk(root: Path) -> Listing:
         seen.add(real)
         keep = []
         for d in sorted(dirnames):
-            rel = os.path.relpath(os.path.join(dirpath, d), root)
-            if d.startswith(".") or d.lower() in _SKIP_DIRS:
+            path = os.path.join(dirpath, d)
+            rel = os.path.relpath(path, root)
+            if (d.startswith(".") or d.lower() in _SKIP_DIRS or is_run_folder(Path(path))
+                    or os.path.realpath(path) == skip_at):
                 skipped.append(rel)
             else:
                 keep.append(d)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import DataConfig
 from ..errors import VramfitError
-from .builtin import BUILTIN, cache_root, ensure_digits
+from .builtin import BUILTIN, cache_root, ensure_digits, local_source, shadow_note
 from .folders import ImageFolder, read_image_folder, walk
 from .schema import (HELD_OUT_SPLITS, SPLIT_NAMES, TRAIN_SPLITS, VAL_SPLITS, column, encode_labels,
                      pick_image_column, pick_label_column)
@@ -175,11 +175,14 @@ def _load_raw(cfg: DataConfig) -> _Raw:
     src = cfg.source
     if src in BUILTIN:
         path = ensure_digits(cfg.cache_dir)
-        # Its notes would only mention the `.complete` marker.
-        return _Raw(_image_folder_dict(read_image_folder(path)), f"built-in digits ({path})", [], path)
+        # Its folder's notes would only mention the `.complete` marker; a local namesake is said.
+        note = shadow_note(src)
+        return _Raw(_image_folder_dict(read_image_folder(path)), f"built-in digits ({path})",
+                    [note] if note else [], path)
+    local = local_source(src)
+    if local is not None:
+        return _load_local(cfg, local)
     p = Path(src).expanduser()
-    if p.exists():
-        return _load_local(cfg, p)
     parent = Path(src).parent
     if _looks_like_path(src) or (str(parent) != "." and parent.is_dir()):
         raise _missing_path(src, p)

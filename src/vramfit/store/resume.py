@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, execution_settings, maths_settings
+from ..data.builtin import local_source
+from ..data.folders import walk
 from ..errors import VramfitError
 from ..train.state import TrainerState
 from . import checkpoint
@@ -44,30 +45,28 @@ def identity(cfg: Config, precision: str) -> Identity:
     run. Lists the files of a local data source: computed once a launch (train.build.find_start)."""
     maths = maths_settings(cfg)
     maths["train.precision"] = precision
-    source = Path(cfg.data.source)
-    maths["data.source"] = str(source.resolve()) if source.exists() else cfg.data.source
-    maths["data.listing"] = data_identity(cfg.data.source, skip=Path(cfg.output))
+    local = local_source(cfg.data.source)
+    maths["data.source"] = str(local.resolve()) if local is not None else cfg.data.source
+    maths["data.listing"] = data_identity(cfg.data.source, skip=Path(cfg.output).expanduser())
     return Identity(maths, execution_settings(cfg))
 
 
 def data_identity(source: str, skip: Path | None = None) -> str | None:
-    """More than the path string: for a local folder or file, its file count and a hash of the
-    listing (names and sizes; no file is read), so new data under the same path is seen. `skip`:
-    a folder inside it that is not data (the run's own --output, whose checkpoints would otherwise
-    change the data's identity at every save)."""
-    p = Path(source)
-    if not p.exists():
+    """More than the path string: for a local folder or file (data.builtin.local_source: a built-in
+    name is never one), its file count and a hash of the listing (names and sizes; no file is read),
+    so new data under the same path is seen. The listing is the loader's (data.folders.walk: what
+    vramfit wrote is not data), less `skip`: the run's own --output, whose checkpoints would
+    otherwise change the data's identity at every save."""
+    p = local_source(source)
+    if p is None:
         return None
     if p.is_file():
         entries = [(p.name, p.stat().st_size)]
     else:
-        skip_at = skip.resolve() if skip is not None else None
         entries = []
-        for root, dirs, files in os.walk(p, followlinks=True):
-            dirs[:] = [d for d in dirs if Path(root, d).resolve() != skip_at]
-            for f in files:
-                with contextlib.suppress(FileNotFoundError):  # removed while listed: not data any more
-                    entries.append((str(Path(root, f).relative_to(p)), Path(root, f).stat().st_size))
+        for f in walk(p, skip=skip).files:
+            with contextlib.suppress(FileNotFoundError):  # removed while listed: not data any more
+                entries.append((str(f.relative_to(p)), f.stat().st_size))
         entries.sort()
     h = hashlib.blake2b(digest_size=8)
     for name, size in entries:

@@ -145,14 +145,47 @@ class RunPaths:
 
     @property
     def lock(self) -> Path:
-        return self.dir / ".vramfit.lock"
+        return self.dir / LOCK_NAME
+
+
+LOCK_NAME = ".vramfit.lock"
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether `folder` is a run folder (every run holds its lock file from its first moment): what
+    vramfit wrote, never data, even where --output is a data folder."""
+    return (Path(folder) / LOCK_NAME).is_file()
+
+
+# The lock files this process holds. A forked child (a loader worker, a `datasets` map process)
+# shares the parent's open file, and with it the flock: a trainer killed by SIGKILL would leave its
+# folder locked until its orphaned workers noticed and ended (5 s, longer under load), and the same
+# command rerun at once was refused as "in use". Each child closes its copy as it starts.
+_HELD: list = []
+
+
+def _drop_inherited_locks() -> None:
+    # dup2 rather than close: the child's file object stays valid (its fd now /dev/null) and can
+    # never close a number reused by another file. Only this copy goes; the parent keeps its lock.
+    for f in _HELD:
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(null, f.fileno())
+        finally:
+            os.close(null)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 @contextlib.contextmanager
 def locked(paths: RunPaths):
     """Hold the run folder for one run: an advisory lock (flock) on its lock file, which the OS
-    releases when the process ends however it ends, so a SIGKILL never leaves a stale lock. A
-    second run into the same folder stops at once, naming the run that holds it."""
+    releases when the process ends however it ends, so a SIGKILL never leaves a stale lock (no
+    forked child keeps it: `_drop_inherited_locks`). A second run into the same folder stops at
+    once, naming the run that holds it."""
     import fcntl
 
     from ..runtime import storage
@@ -174,9 +207,12 @@ def locked(paths: RunPaths):
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         f.flush()
+        _HELD.append(f)
         storage.watch(paths.dir)
         yield
     finally:
         storage.unwatch(paths.dir, keep_removed=True)
+        with contextlib.suppress(ValueError):
+            _HELD.remove(f)
         fcntl.flock(f, fcntl.LOCK_UN)
         f.close()
