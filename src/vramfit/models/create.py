@@ -49,7 +49,7 @@ def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True,
         kwargs.update(any_size_kwargs(cfg.name))
     if cfg.drop_path_rate:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
-    pretrained = load_weights and (cfg.pretrained or cfg.pretrained_path is not None)
+    pretrained = load_weights and cfg.loads_weights
     if load_weights and cfg.pretrained_path:
         path = Path(cfg.pretrained_path)
         if not path.is_file():
