@@ -60,6 +60,23 @@ def train_args(recipe: str, samples: int, output: Path, staged: bool = False) ->
             "--set", f"data.limit_train_samples={samples}", "--set", "data.limit_val_samples=256"]
 
 
+def weight_file(args: list[str], folder: Path) -> Path:
+    """A seeded random init of the run's model as a weight file: the run loads it as pretrained
+    weights (no network on the bench machines), so its first phase trains the head alone."""
+    import timm
+    import torch
+    from safetensors.torch import save_file
+
+    from vramfit.cli import train_config
+
+    cfg = train_config(args)
+    torch.manual_seed(0)
+    model = timm.create_model(cfg.model.name, num_classes=10)  # the built-in digits
+    path = folder / "init.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
 def phase_lines(summary: dict) -> list[str]:
     """Each phase's planned allocator reserve against its measured peak (both without the context)."""
     gib = 2**30
@@ -134,6 +151,8 @@ def main(argv=None) -> int:
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     runs = Path(tempfile.mkdtemp(prefix="vramfit-recipe-"))
     argv_train = [*train_args(args.recipe, args.train_samples, runs, args.staged), *overrides(args)]
+    if args.staged and not args.dry_run:  # staging runs on trained weights only: start from a file
+        argv_train += ["--set", f"model.pretrained_path={weight_file(argv_train[1:], runs)}"]
     if args.dry_run:
         print("vramfit " + " ".join(argv_train))
         return 0

@@ -28,6 +28,15 @@ def pytest_configure(config):
     os.environ.setdefault("VRAMFIT_CACHE", tempfile.mkdtemp(prefix=f"vramfit-test-cache-{worker}-"))
 
 
+@pytest.fixture(scope="session")
+def test_resnet_weights(tmp_path_factory):
+    """A test_resnet weight file (10 classes) for `model.pretrained_path`: what staged fine-tuning
+    starts from (it runs only on trained weights)."""
+    from helpers import weight_file
+
+    return weight_file(tmp_path_factory.mktemp("weights"))
+
+
 @pytest.fixture
 def train_cli(tmp_path):
     """Run `vramfit train` in-process; returns (run_dir, exit_code)."""

@@ -85,6 +85,22 @@ def tiny_args(*extra):
             "--set", "data.limit_val_samples=120", *extra]
 
 
+def weight_file(folder: Path, model_name: str = "test_resnet", num_classes: int = 10, seed: int = 0) -> Path:
+    """A seeded weight file of `model_name` for `model.pretrained_path` (written once per folder):
+    staged fine-tuning (train.freeze_epochs) runs only on trained weights, never on a random init."""
+    path = Path(folder) / f"{model_name}-{num_classes}-{seed}.safetensors"
+    if not path.exists():
+        import timm
+        import torch
+        from safetensors.torch import save_file
+
+        torch.manual_seed(seed)
+        model = timm.create_model(model_name, num_classes=num_classes)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
 # ---- generated data ---------------------------------------------------------------------------
 
 

@@ -193,7 +193,8 @@ def test_a_probed_compilation_trains_as_the_chosen_settings_given_directly(train
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_staged_run_chooses_each_phases_micro_batch_and_resumes_bitwise_in_either(train_cli, fit_cache, monkeypatch):
+def test_a_staged_run_chooses_each_phases_micro_batch_and_resumes_bitwise_in_either(
+        train_cli, fit_cache, monkeypatch, test_resnet_weights):
     """Staged fine-tuning: the head-only phase keeps the whole share (no candidate measures faster),
     the whole network's phase measures micro 8 fastest when it begins and trains at it. A run cut in
     the whole network's phase resumes with its recorded choice (no probe), one cut at the end of the
@@ -206,7 +207,8 @@ def test_a_staged_run_chooses_each_phases_micro_batch_and_resumes_bitwise_in_eit
         return 2000.0 if run.plan.phase == "all" and s.micro_batch == 8 else 1000.0
 
     monkeypatch.setattr(fit, "measure", timed)
-    args = tiny_args(*FASTEST, "--epochs", "2", "--set", "train.freeze_epochs=1")
+    args = tiny_args(*FASTEST, "--epochs", "2", "--set", "train.freeze_epochs=1",
+                     "--set", f"model.pretrained_path={test_resnet_weights}")
     ref_dir, code = train_cli(*args, run_name="ref")
     assert code == 0
     s = _summary(ref_dir)
@@ -234,7 +236,8 @@ def test_a_staged_run_chooses_each_phases_micro_batch_and_resumes_bitwise_in_eit
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
-def test_a_signal_during_a_later_phases_probe_stops_it_and_the_run_saves(train_cli, fit_cache, monkeypatch):
+def test_a_signal_during_a_later_phases_probe_stops_it_and_the_run_saves(
+        train_cli, fit_cache, monkeypatch, test_resnet_weights):
     """SIGTERM while the whole network's phase measures its first candidate: no further candidate is
     probed, the step runs with the best measured so far, the run saves and exits 143; the cut-short
     choice is recorded for the resume (which does not probe) and not cached."""
@@ -250,7 +253,8 @@ def test_a_signal_during_a_later_phases_probe_stops_it_and_the_run_saves(train_c
         return 1000.0
 
     monkeypatch.setattr(fit, "measure", timed)
-    args = tiny_args(*FASTEST, "--epochs", "2", "--set", "train.freeze_epochs=1")
+    args = tiny_args(*FASTEST, "--epochs", "2", "--set", "train.freeze_epochs=1",
+                     "--set", f"model.pretrained_path={test_resnet_weights}")
     run_dir, code = train_cli(*args, run_name="sig")
     assert code == 143
     last = max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))

@@ -43,7 +43,7 @@ def test_every_gpu_bench_command_is_a_valid_run(tmp_path, monkeypatch):
         assert "torch sees no GPU" in str(e.value), (argv, str(e.value))
 
 
-def test_the_staged_recipe_run_prints_each_phases_fit(train_cli, tmp_path, monkeypatch):
+def test_the_staged_recipe_run_prints_each_phases_fit(train_cli, tmp_path, monkeypatch, test_resnet_weights):
     """recipe_run --staged reports train.fit: fastest's choice for the head phase and for the whole
     network's, read from a staged run's own summary.json."""
     import json
@@ -52,6 +52,7 @@ def test_the_staged_recipe_run_prints_each_phases_fit(train_cli, tmp_path, monke
 
     monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path / "cache"))
     run_dir, code = train_cli(*tiny_args("--epochs", "2", "--set", "train.freeze_epochs=1",
+                                         "--set", f"model.pretrained_path={test_resnet_weights}",
                                          "--set", "train.fit=fastest"), run_name="staged")
     assert code == 0
     lines = bench("recipe_run").fit_lines(json.loads((run_dir / "summary.json").read_text()))

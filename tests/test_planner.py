@@ -522,6 +522,20 @@ def test_plan_compares_backbones_by_memory(monkeypatch, capsys):
     assert exit_info.value.code == 2 and "distinct model names" in capsys.readouterr().err
 
 
+def test_plan_compares_backbones_only_for_a_named_card(monkeypatch, capsys):
+    """`vramfit plan --model A,B` with no recipe for a card and no --memory-gib cannot say what fits:
+    exit 2 at once, with a HINT naming --recipe and --memory-gib for the same models."""
+    from vramfit.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "resnet50,efficientnet_b0"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert exit_info.value.code == 2 and "no card is named" in err and "Traceback" not in err
+    assert "HINT:" in err and "vramfit plan --recipe rtx3060 --model resnet50,efficientnet_b0" in err
+    assert "--memory-gib N --model resnet50,efficientnet_b0" in err
+
+
 def test_a_cards_own_measurements_join_the_published_rows(tmp_path):
     """`memory_check.py --published --fit --with memory_check.json`: a card's measured steps become
     rows that ran (with their measured peak, on the whole card) and its pick-check probes rows that

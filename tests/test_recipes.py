@@ -1,6 +1,7 @@
 """Every shipped recipe trained end to end on the CPU with its own settings (precision,
 channels_last, augmentation, mixup/cutmix, erasing, EMA, micro-batch, schedule), shrunk only in
-size: a few digits at 32 px, one epoch, no pretrained weights, and a tiny timm model of the same
+size: a few digits at 32 px, one epoch (a staged recipe: one per phase, from a weight file), no
+pretrained weights otherwise, and a tiny timm model of the same
 family. It is stopped mid-epoch and resumed (bitwise against an uninterrupted run), then evaluated,
 asked for predictions and exported; `model/` loads in plain timm. A recipe file added to
 `src/vramfit/recipes/` is picked up here without editing this file.
@@ -43,15 +44,22 @@ def backbone_settings(tree: dict) -> list[str]:
             if key not in tree.get(section, {}) for arg in ("--set", f"{section}.{key}={value}")]
 
 
-def shrunk(path, own_model: bool, image_size: int) -> list[str]:
-    """The recipe as a user runs it, with only its size shrunk."""
+def shrunk(path, own_model: bool, image_size: int, weights_folder=None) -> list[str]:
+    """The recipe as a user runs it, with only its size shrunk; a staged recipe starts from a weight
+    file written into `weights_folder` (staging runs on trained weights only), the others from a
+    random init (no network)."""
+    from helpers import weight_file
+
     tree = recipe(path)
     name = tree["model"]["name"]
     model = name if own_model else TINY.get(family(name), name)
-    epochs = 1 + tree.get("train", {}).get("freeze_epochs", 0)  # a staged recipe: each phase one epoch
+    staged = tree.get("train", {}).get("freeze_epochs", 0)
+    epochs = 1 + staged  # a staged recipe: each phase one epoch
+    weights = (["--set", f"model.pretrained_path={weight_file(weights_folder, model)}"]
+               if staged and weights_folder else [])
     return [*backbone_settings(tree), "--recipe", str(path), "--data", "digits", "--model", model, "--epochs", str(epochs),
             "--global-batch", str(GLOBAL_BATCH), "--image-size", str(image_size),
-            "--set", "model.pretrained=false", "--set", f"data.limit_train_samples={TRAIN}",
+            "--set", "model.pretrained=false", *weights, "--set", f"data.limit_train_samples={TRAIN}",
             "--set", f"data.limit_val_samples={VAL}", "--set", "data.val_fraction=0.2",
             "--set", "data.num_workers=0", "--set", "train.log_every_steps=1",
             # `micro_batch: auto` takes the whole share on a CPU; an out-of-memory error above half
@@ -157,7 +165,7 @@ def _check_commands(run_dir, tmp_path, image_size: int):
 def _end_to_end(path, train_cli, tmp_path, photos, capsys, own_model: bool, image_size: int):
     raw = recipe(path)
     uses_ema = raw.get("model", {}).get("ema_decay") is not None
-    ref, cut = _train_cut_and_resume(train_cli, shrunk(path, own_model, image_size))
+    ref, cut = _train_cut_and_resume(train_cli, shrunk(path, own_model, image_size, tmp_path / "weights"))
     _check_resumed_exactly(ref, cut, uses_ema)
     summary = json.loads((cut / "summary.json").read_text())
     precision = raw.get("train", {}).get("precision", "auto")

@@ -208,8 +208,9 @@ def test_small_micro_batches_with_train_batchnorm_get_the_choices(train_cli, cap
     (["--set", "train.freeze_epochs=1", "--epochs", "3", "--set", "model.freeze=[fc]"], "covers the classifier head"),
     (["--set", "model.freeze=[layer9]"], "matches no module"),
 ], ids=["freeze-epochs", "decay-0", "decay-big", "head-frozen", "typo"])
-def test_bad_staging_settings_exit_2_before_anything_starts(tmp_path, capsys, args, words):
-    run_dir, code = _main(tmp_path, *small_args(*args))
+def test_bad_staging_settings_exit_2_before_anything_starts(tmp_path, capsys, pretrained, args, words):
+    weights = ["--set", f"model.pretrained_path={pretrained}"]  # staging runs on trained weights only
+    run_dir, code = _main(tmp_path, *small_args(*args, *weights))
     assert code == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and not run_dir.exists()
@@ -225,9 +226,10 @@ def _main(tmp_path, *args, run_name="t"):
     return out / run_name, e.value.code
 
 
-def test_no_nameable_head_and_sync_under_fsdp_are_refused(tmp_path, capsys, monkeypatch):
+def test_no_nameable_head_and_sync_under_fsdp_are_refused(tmp_path, capsys, monkeypatch, pretrained):
     monkeypatch.setattr(timm.models.resnet.ResNet, "get_classifier", lambda self: torch.nn.Identity())
-    run_dir, code = _main(tmp_path, *small_args("--epochs", "2", "--set", "train.freeze_epochs=1"))
+    run_dir, code = _main(tmp_path, *small_args("--epochs", "2", "--set", "train.freeze_epochs=1",
+                                                "--set", f"model.pretrained_path={pretrained}"))
     assert code == 2 and "no classifier head timm can name" in capsys.readouterr().err
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     run_dir, code = _main(tmp_path, *small_args("--set", "model.bn=sync"), run_name="fsdp")
@@ -351,3 +353,37 @@ def test_precise_bn_set_to_true_is_refused_with_a_count_to_give():
         with pytest.raises(VramfitError, match="takes a number of train images"):
             build_config("quickstart", [f"model.precise_bn={value}"])
     assert build_config("quickstart", ["model.precise_bn=2048"]).model.precise_bn == 2048
+
+
+# ---- staged fine-tuning needs trained weights ---------------------------------------------------
+
+def test_staging_without_pretrained_weights_trains_everything_from_the_first_step(tmp_path):
+    """A head trained alone on random features learns nothing the later epochs keep: without
+    pretrained weights the run is one phase `all` from the first epoch, with a note saying why;
+    with model.pretrained_path (or the Hub's weights) it stays staged."""
+    from vramfit.config import build_config
+    from vramfit.train.phases import phases_of
+
+    with torch.device("meta"):
+        model = timm.create_model("test_resnet", num_classes=10)
+    sets = ["model.name=test_resnet", "train.freeze_epochs=1", "train.epochs=1"]
+    random_init = build_config(None, [*sets, "model.pretrained=false"])  # epochs 1 is no longer refused
+    [whole] = phases_of(random_init, model)
+    assert (whole.name, whole.first_epoch, whole.end_epoch, whole.freeze) == ("all", 0, 1, ())
+    assert "train.freeze_epochs 1 is not applied" in whole.note and "whole network trains" in whole.note
+    for weights in (f"model.pretrained_path={tmp_path / 'w.safetensors'}", "model.pretrained=true"):
+        staged = build_config(None, [*sets, "train.epochs=2", weights])
+        assert [(p.name, p.first_epoch, p.note) for p in phases_of(staged, model)] == [("head", 0, None),
+                                                                                       ("all", 1, None)]
+    with pytest.raises(Exception, match="fewer than train.epochs"):
+        build_config(None, [*sets, "model.pretrained=true"])
+
+
+def test_a_staged_run_without_pretrained_weights_says_so_and_trains_one_epoch(train_cli, caplog):
+    with caplog.at_level(logging.INFO, logger="vramfit"):
+        run_dir, code = train_cli(*small_args("--set", "train.freeze_epochs=1"))  # --epochs 1
+    assert code == 0
+    assert "train.freeze_epochs 1 is not applied" in caplog.text and "staged fine-tuning:" not in caplog.text
+    [phase] = json.loads((run_dir / "summary.json").read_text())["phases"]
+    assert (phase["name"], phase["first_step"], phase["steps"]) == ("all", 1, STEPS)
+    assert "whole network trains from the first step" in phase["note"]

@@ -251,6 +251,11 @@ def _flags(ns: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(ns).items() if "." in k and v is not None}
 
 
+def train_config(args: list[str]):
+    """The config of `vramfit train ARGS` (what follows `train`; `train.py ARGS` is the same)."""
+    return _config(parser().parse_args(["train", *args]))
+
+
 def _config(ns):
     flags = _flags(ns)
     for k in ("output", "run_name", "resume"):

@@ -73,6 +73,11 @@ class ModelConfig(Section):
     # exported instead of the raw weights when set. Typical: 0.999 for fine-tuning.
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
 
+    @property
+    def loads_weights(self) -> bool:
+        """Whether the model starts from trained weights (the Hub's or model.pretrained_path)."""
+        return self.pretrained or self.pretrained_path is not None
+
 
 class ProgressiveResize(Section):
     """Progressive resizing, with Composer's names and defaults: the first `delay_fraction` of the
@@ -305,12 +310,19 @@ class Config(Section):
     def _check(self):
         if self.model.pretrained and self.model.pretrained_path:
             raise ValueError("model.pretrained and model.pretrained_path are exclusive: pick one")
-        if self.train.freeze_epochs and self.train.freeze_epochs >= self.train.epochs:
+        if self.staged_epochs and self.staged_epochs >= self.train.epochs:
             raise ValueError(f"train.freeze_epochs ({self.train.freeze_epochs}) must be fewer than train.epochs "
                              f"({self.train.epochs}): the epochs after it train the whole network; use "
                              f"--set train.freeze_epochs={max(1, self.train.epochs // 4) if self.train.epochs > 1 else 0} "
                              "or more --epochs")
         return self
+
+    @property
+    def staged_epochs(self) -> int:
+        """The epochs that train the classifier head alone first: train.freeze_epochs on trained
+        weights; none on random ones, where a head alone learns from random features what the
+        whole network must relearn anyway (train.phases says so at start)."""
+        return self.train.freeze_epochs if self.model.loads_weights else 0
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

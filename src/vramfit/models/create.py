@@ -49,7 +49,7 @@ def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True,
         kwargs.update(any_size_kwargs(cfg.name))
     if cfg.drop_path_rate:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
-    pretrained = load_weights and (cfg.pretrained or cfg.pretrained_path is not None)
+    pretrained = load_weights and cfg.loads_weights
     if load_weights and cfg.pretrained_path:
         path = Path(cfg.pretrained_path)
         if not path.is_file():
@@ -63,10 +63,15 @@ def create_model(cfg: ModelConfig, num_classes: int, load_weights: bool = True,
         # Through timm's pretrained loader (not checkpoint_path) so a 1000-class head is dropped and
         # re-initialised for our classes instead of failing on a shape mismatch.
         kwargs["pretrained_cfg_overlay"] = dict(file=str(path.resolve()))
+    offline = None
+    if (pretrained and not cfg.pretrained_path) or cfg.name.startswith("hf-hub:"):
+        from .hub import unreachable
+
+        offline = unreachable()  # seconds, where huggingface_hub's own retries take minutes
     try:
         model = timm.create_model(cfg.name, pretrained=pretrained, **kwargs)
     except (OSError, ConnectionError, RuntimeError, ValueError) as e:
-        raise _creation_error(cfg, e, pretrained) from None
+        raise _creation_error(cfg, e, pretrained, offline) from None
 
     if cfg.bn == "freeze":
         # Library conversion: BatchNorm2d -> FrozenBatchNorm2d (fixed statistics and affine). Every
@@ -126,9 +131,11 @@ def any_size_kwargs(name: str) -> dict:
     return {}
 
 
-def _creation_error(cfg: ModelConfig, e: Exception, pretrained: bool) -> VramfitError:
+def _creation_error(cfg: ModelConfig, e: Exception, pretrained: bool,
+                    offline: str | None = None) -> VramfitError:
     """What to say when timm cannot build the model: a Hub cache that cannot be written, no
-    network for weights or an hf-hub architecture, or the error itself."""
+    network for weights or an hf-hub architecture (`offline`: why the Hub did not answer), or the
+    error itself."""
     cache = _unwritable_path(e)
     if cache is not None:
         return VramfitError(
@@ -137,15 +144,17 @@ def _creation_error(cfg: ModelConfig, e: Exception, pretrained: bool) -> Vramfit
                  "Hugging Face cache), or download the weights once elsewhere and pass `--set "
                  "model.pretrained_path=/path/to/model.safetensors`")
     text = str(e)
-    if pretrained and not cfg.pretrained_path and _looks_offline(e):
+    if pretrained and not cfg.pretrained_path and (offline or _looks_offline(e)):
         return VramfitError(
+            f"Could not download pretrained weights for `{cfg.name}`: {offline}, and they are not in the "
+            "local cache." if offline else
             f"Could not download pretrained weights for `{cfg.name}` ({type(e).__name__}: "
             f"{text.splitlines()[0][:200] if text else 'no detail'}).",
             hint="this machine cannot reach the Hugging Face Hub. Either run with "
                  "`--set model.pretrained=false` (random init), or download the weights once on a "
                  "machine with network and pass `--set model.pretrained_path=/path/to/model.safetensors`.",
         )
-    if cfg.name.startswith("hf-hub:") and _looks_offline(e):
+    if cfg.name.startswith("hf-hub:") and (offline or _looks_offline(e)):
         # timm reads an hf-hub model's architecture from its config.json on the Hub, even for
         # a random init or a memory plan.
         return VramfitError(

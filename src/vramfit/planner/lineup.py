@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from ..config import Config
+from ..errors import VramfitError
 from ..runtime.precision import planned
 from .estimate import GiB, TRACE_BATCHES, budget_bytes_for, estimate, get_profile
 from .report import run_plan
@@ -68,9 +69,8 @@ def backbone_row(cfg: Config, num_classes: int, num_processes: int, memory_gib: 
     }
 
 
-def format_lineup(rows: list[dict], budget: int | None, card: str) -> str:
-    head = (f"vramfit plan: {len(rows)} backbones on {card}"
-            + (f", budget {budget / GiB:.2f} GiB" if budget is not None else " (no budget: largest not searched)"))
+def format_lineup(rows: list[dict], budget: int, card: str) -> str:
+    head = f"vramfit plan: {len(rows)} backbones on {card}, budget {budget / GiB:.2f} GiB"
     cols = f"{'model':<26}{'px':>5}{'params':>9}{'GFLOPs':>8}{'act/img':>10}{'micro':>7}{'peak':>9}{'largest':>9}{'its peak':>10}"
     lines = [head, cols, "-" * len(cols)]
     for r in rows:
@@ -88,10 +88,18 @@ def format_lineup(rows: list[dict], budget: int | None, card: str) -> str:
 def run_lineup(cfgs: list[Config], num_classes: int, num_processes: int = 1, memory_gib: float | None = None,
                as_json: bool = False, out=None) -> list[dict]:
     """Plan every config (one per backbone) and print one row each (or --json: the same rows)."""
+    if budget_bytes_for(cfgs[0], memory_gib) is None:
+        # Without a card the lineup has no "largest that fits": the one question it is asked.
+        models = ",".join(cfg.model.name for cfg in cfgs)
+        raise VramfitError("vramfit plan --model A,B,C compares what fits on a card, and no card is named "
+                           "(no --recipe for a card, no --memory-gib).",
+                           hint=f"name the card: `vramfit plan --recipe rtx3060 --model {models}` (a 12 GB "
+                                "RTX 3060; the recipe of each card is in docs/recipes.md), or "
+                                f"`vramfit plan --memory-gib N --model {models}` for a card of N GB")
     rows = [backbone_row(cfg, num_classes, num_processes, memory_gib) for cfg in cfgs]
     budget = budget_bytes_for(cfgs[0], memory_gib)
     gib = memory_gib or cfgs[0].hardware.memory_gib
-    card = f"a {gib:g} GB card" if gib else "no card"
+    card = f"a {gib:g} GB card"
     out = out if out is not None else sys.stdout
     if as_json:
         out.write(json.dumps({"budget_bytes": budget, "memory_gib": gib, "num_processes": num_processes,

@@ -197,7 +197,7 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
                      check_grad_norm=not L.precision.scales_loss, recomputes=cfg.model.grad_checkpointing,
                      min_micro_batch=plan.min_micro_batch,
                      bn_momentum_per_step=cfg.model.bn_momentum_per == "step")
-    notes = training_notes(cfg, L, len(class_names), optimizer, plans)
+    notes = [*(p.note for p in phases if p.note), *training_notes(cfg, L, len(class_names), optimizer, plans)]
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
                     state, step, seconds, phases, plans, notes, phase_peaks={}, fit=None,
                     sizes=schedule_of(cfg, steps_per_epoch), size_plans={}, fit_segments={})
@@ -281,12 +281,12 @@ def preflight(cfg: Config, L: Launch) -> None:
                            "the step runs no collective inside a forward).",
                            hint="use --set model.bn=freeze (or train) with FSDP, or launch plain data parallel "
                                 "(without the FSDP config) to synchronise BatchNorm")
-    if fsdp and cfg.train.freeze_epochs:
+    if fsdp and cfg.staged_epochs:
         raise VramfitError("train.freeze_epochs cannot run under FSDP: its flat parameter shards cannot change "
                            "what trains in the middle of a run.",
                            hint="freeze stages for the whole run with --set model.freeze=[...], or launch plain "
                                 "data parallel (without the FSDP config) for staged fine-tuning")
-    if (cfg.train.freeze_epochs or cfg.model.freeze) and not cfg.model.name.startswith("hf-hub:"):
+    if (cfg.staged_epochs or cfg.model.freeze) and not cfg.model.name.startswith("hf-hub:"):
         from ..models.create import create_model
         from .phases import phases_of
 

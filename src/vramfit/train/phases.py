@@ -1,6 +1,8 @@
 """The phases of a run: spans of epochs in which the same parameters train. Without
 `train.freeze_epochs` a run is one phase (`all`: everything but `model.freeze`); with it, `head`
-(only the classifier trains, the rest frozen with fixed BatchNorm statistics) comes first.
+(only the classifier trains, the rest frozen with fixed BatchNorm statistics) comes first, on
+trained weights only (`Config.staged_epochs`): without them the run is one phase `all`, and its
+`note` says why.
 
 A phase is a pure function of the epoch, so a resumed run is in the phase the uninterrupted one
 was; each phase has its own memory plan (`Phase.config` is what the planner sees).
@@ -23,6 +25,7 @@ class Phase:
     first_epoch: int  # 0-based, inclusive
     end_epoch: int  # exclusive
     freeze: tuple[str, ...]  # the module / parameter names frozen in it
+    note: str | None = None  # why the phases are not what the settings ask for (said at start)
 
     @property
     def epochs(self) -> int:
@@ -39,9 +42,9 @@ class Phase:
 def phases_of(cfg: Config, model: nn.Module) -> list[Phase]:
     """The run's phases, in order (`model`: the built model, to name its head and the rest)."""
     epochs, kept = cfg.train.epochs, tuple(cfg.model.freeze)
-    n = cfg.train.freeze_epochs
+    n = cfg.staged_epochs
     if not n:
-        return [Phase("all", 0, epochs, kept)]
+        return [Phase("all", 0, epochs, kept, unstaged_note(cfg))]
     heads = classifier_names(model, cfg.model.name)
     covered = [h for h in heads if any(h == p or h.startswith(p + ".") for p in kept)]
     if covered:
@@ -49,6 +52,16 @@ def phases_of(cfg: Config, model: nn.Module) -> list[Phase]:
                            "train.freeze_epochs trains alone first.",
                            hint="take the head out of model.freeze, or set train.freeze_epochs=0")
     return [Phase("head", 0, n, tuple(body_prefixes(model, heads))), Phase("all", n, epochs, kept)]
+
+
+def unstaged_note(cfg: Config) -> str | None:
+    """What to say when train.freeze_epochs asks for staged fine-tuning that random weights rule out."""
+    if not cfg.train.freeze_epochs or cfg.staged_epochs:
+        return None
+    return (f"train.freeze_epochs {cfg.train.freeze_epochs} is not applied: without pretrained weights "
+            "(model.pretrained false, no model.pretrained_path) the backbone's features are random, so a "
+            "head trained on them alone learns nothing the later epochs keep; the whole network trains "
+            "from the first step")
 
 
 def phase_named(phases: list[Phase], name: str) -> Phase:

@@ -64,7 +64,8 @@ def phases(run, now: int | None = None) -> list[dict]:
                     "predicted_at_size": plan.predicted_at_size or span.image_size,
                     "predicted_reserved_bytes": plan.reserved_bytes,
                     "measured_peak_bytes": run.phase_peaks.get((p.name, span.image_size),
-                                                                now if i == standing else None)})
+                                                                now if i == standing else None),
+                    **({"note": p.note} if p.note else {})})
     return out
 
 
