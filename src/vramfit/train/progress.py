@@ -25,6 +25,7 @@ log = logging.getLogger("vramfit")
 SMOOTHING = 0.1  # weight of the newest step in the running averages (tqdm's own default is 0.3)
 HEARTBEAT_SECONDS = 5.0  # the longest a job log goes without a line (half what a watcher tolerates)
 PIPED_SECONDS = 5.0  # a job log's progress line at least this often, however slow the steps
+STEP_GRACE_SECONDS = 2.0  # a step running this long gets a "running" line once the log is due one
 TICK_SECONDS = 1.0  # how often the heartbeat looks (a terminal's bar clock moves at this pace)
 
 
@@ -175,8 +176,10 @@ class Progress:
         bar = self.bar
         if bar is not None:
             bar.refresh()
-        elif self.quiet.due():
-            epoch, done, since = self.at
+            return
+        epoch, done, since = self.at
+        # A step just begun ends soon with its own line (within STEP_GRACE_SECONDS + its time).
+        if self.clock() - since >= STEP_GRACE_SECONDS and self.quiet.due():
             log.info("epoch %d/%d step %d/%d running (%.0f s so far)", epoch + 1, self.epochs, done + 1,
                      self.steps_per_epoch, self.clock() - since)
 
