@@ -65,16 +65,62 @@ def test_a_resumed_run_takes_the_cached_choice(train_cli, fit_cache):
 
 
 def test_a_short_run_probes_within_its_budget(train_cli, fit_cache):
-    run_dir, code = train_cli(*tiny_args("--set", "train.fit=fastest"), run_name="short")
+    run_dir, code = train_cli(*tiny_args("--set", "train.fit=fastest", "--set", "train.fit_probe_fraction=0.1"),
+                              run_name="short")
     assert code == 0
     s = _summary(run_dir)
-    # 3% of a 30-step run is about one step's time; probing a candidate takes three steps (one warm-up,
-    # two timed): the settings as written are measured (the run needs their step anyway) and nothing
-    # else. Counted, not timed: a loaded machine slows the probe and the run alike, but not evenly.
+    # 10% of a 30-step run is three steps' time; probing a candidate takes three steps (one warm-up,
+    # two timed): the settings as written are measured and nothing else. Counted, not timed: a loaded
+    # machine slows the probe and the run alike, but not evenly.
     # (bench/fit_sweep.py measures the probe's share of the wall time.)
     outcomes = [c["outcome"] for c in s["fit"]["candidates"]]
     assert outcomes[0] == "measured" and len(outcomes) > 1
     assert set(outcomes[1:]) <= {"not probed", "dropped by the planner"}, outcomes
+
+
+def test_a_run_too_short_to_pay_for_measuring_measures_nothing_and_says_so(train_cli, fit_cache, monkeypatch,
+                                                                             caplog):
+    """3% of a 30-step run is less than one step: even the settings as written are not measured."""
+    import logging
+
+    from vramfit.tuning import fit
+
+    def no_probe(*_):
+        raise AssertionError("measured a run too short to pay for it")
+
+    monkeypatch.setattr(fit, "measure", no_probe)
+    with caplog.at_level(logging.INFO):
+        run_dir, code = train_cli(*tiny_args("--set", "train.fit=fastest"), run_name="short")
+    assert code == 0
+    fit_ = _summary(run_dir)["fit"]
+    assert fit_["probe_seconds"] == 0 and fit_["skipped"].startswith("not measured: 30 steps x 0.03")
+    assert [c["outcome"] for c in fit_["candidates"]] == [fit.TOO_SHORT]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fit: fastest")]
+    assert len(said) == 1 and "not measured" in said[0] and "training with the planned settings" in said[0], said
+    assert not fit_cache.exists()  # a longer run of the same settings measures
+
+
+def test_no_candidate_starts_that_would_end_past_the_budget(train_cli, fit_cache, monkeypatch):
+    """A stand-in clock: the settings as written take 2 s to measure, every later candidate 5 s.
+    The budget (a third of 30 one-second steps: 10 s) pays for the first two; a third, started at
+    7 s, would end at 12 s were it as slow as the slowest so far, so it is not started."""
+    from vramfit.tuning import fit
+
+    now, costs = [0.0], iter([2.0] + [5.0] * 20)
+    monkeypatch.setattr(fit, "clock", lambda: now[0])
+
+    def timed(run, s, batches):
+        fit.apply(run, s)
+        now[0] += next(costs)
+        return float(batches[0].step_samples)  # one step a second
+
+    monkeypatch.setattr(fit, "measure", timed)
+    run_dir, code = train_cli(*tiny_args("--set", "train.fit=fastest", "--set", "train.fit_probe_fraction=0.34"),
+                              run_name="clocked")
+    assert code == 0
+    outcomes = [c["outcome"] for c in _summary(run_dir)["fit"]["candidates"]]
+    assert outcomes[:2] == ["measured"] * 2 and set(outcomes[2:]) == {"not probed"}, outcomes
+    assert now[0] <= 0.34 * 30 * 1.0
 
 
 def test_rehearse_leaves_no_trace():

@@ -288,12 +288,26 @@ def _model_list(value: str | None) -> list[str]:
     return names
 
 
+def _starting():
+    """A run's first line, before torch, timm and accelerate load (seconds on a busy machine), with
+    the console's logging set up here so that it shows in a job log too (the launch keeps it: a
+    second basicConfig changes nothing). Main process only: RANK is set by the launchers."""
+    import logging
+
+    from .train.progress import stage
+
+    main = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+    logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s", stream=sys.stderr)
+    return stage("vramfit train: starting (loading torch, timm and accelerate)", main=main)
+
+
 def run(argv: list[str]) -> int:
     ns = parser().parse_args(argv)
     if ns.command in ("train", "eval", "predict", "scan-data", "prepare", "lr-find", "doctor"):
         _writable_caches(ns)
     if ns.command == "train":
-        from .train.run import train
+        with _starting():
+            from .train.run import train
 
         train(_config(ns))
         return 0

@@ -30,6 +30,7 @@ from ..store import checkpoint, resume
 from ..store.runfolder import RunPaths
 from ..runtime.storage import make_folder, write_json, write_text
 from ..store.tracking import environment, scrub
+from .progress import stage
 from .state import TrainerState
 
 if TYPE_CHECKING:
@@ -208,10 +209,18 @@ def plan_phases(cfg: Config, L: Launch, num_classes: int, model, phases: list[Ph
     head-only phase has no gradients or optimizer state for the rest: a larger micro-batch fits).
     The global batch, and so the maths of a step, is the same in every phase. A checkpoint's
     reduced micro-batch applies to the phase it was saved in. Leaves the model in the last phase."""
+    module = L.acc.unwrap_model(model)
+    what = "planning memory (tracing one step" + (f" of each of {len(phases)} phases" if len(phases) > 1 else "") + \
+        (", then checking the pick on the card" if cfg.train.micro_batch == "auto" and L.device_type == "cuda" else "")
+    with stage(what + ")", main=L.main):
+        return _plan_each(cfg, L, num_classes, model, module, phases, point)
+
+
+def _plan_each(cfg: Config, L: Launch, num_classes: int, model, module, phases: list[Phase], point) -> list[Plan]:
     from ..models.freezing import min_micro_batch, trainable_parameters
     from .phases import enter
 
-    module, plans, previous = L.acc.unwrap_model(model), [], None
+    plans, previous = [], None
     for phase in phases:
         enter(module, phase, previous)
         previous = phase
@@ -352,7 +361,7 @@ def load_data(cfg: Config, L: Launch, point: resume.ResumePoint | None) -> tuple
     from ..data import load_splits
 
     splits = None
-    with agreed("loading the data", L.acc.device):
+    with agreed("loading the data", L.acc.device), stage(f"reading the data ({cfg.data.source})", main=L.main):
         if L.main:
             splits = load_splits(cfg.data)
     with agreed("loading the data", L.acc.device):
@@ -378,7 +387,8 @@ def build_model(cfg: Config, L: Launch, num_classes: int) -> tuple[torch.nn.Modu
     from ..models.create import create_model, data_config
 
     set_seed(cfg.train.seed)  # same initial weights on every process (and broadcast below)
-    with agreed("building the model", L.acc.device):
+    weights = "pretrained weights" if cfg.model.pretrained else "random weights"
+    with agreed("building the model", L.acc.device), stage(f"building {cfg.model.name} ({weights})", main=L.main):
         model = create_model(cfg.model, num_classes, image_size=cfg.data.image_size,
                              any_size=cfg.data.progressive_resize is not None)
         data_cfg = data_config(model, cfg.data.image_size, cfg.data.crop_pct)
@@ -556,7 +566,8 @@ def restore_state(cfg: Config, L: Launch, start: Start, micro: batching.MicroBat
     if point is None:
         set_seed(cfg.train.seed + L.rank)  # per-process streams for dropout / drop-path from here on
         return state
-    with agreed("loading the checkpoint", L.acc.device):
+    with agreed("loading the checkpoint", L.acc.device), \
+            stage(f"loading the checkpoint {point.path.name}", main=L.main):
         resume.load(L.acc, point, L.world, cfg.train.seed, model, ema)
     state.continue_from(point.state)
     if start.change:

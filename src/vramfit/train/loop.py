@@ -21,7 +21,7 @@ from ..store import checkpoint
 from ..tuning.fit import refit, table as fit_table
 from ..tuning.size_plans import segment_start
 from .optim import head_lr
-from .progress import Progress
+from .progress import Progress, stage
 from .step import MicroBatchExhausted, NonFiniteLoss, StepInterrupted, oom_message
 from .validation import evaluate, recalibrate_batchnorm
 
@@ -276,14 +276,22 @@ class Trainer:
             average_batchnorm(self.ema.module)
         eval_model = self.ema.module if self.ema is not None else self.model
         try:
-            self.precise_statistics(eval_model, epoch)
-            res = evaluate(self.L.acc, eval_model, self.loaders.val, len(self.splits.class_names),
-                           self.loaders.normalize, self.run.eval_state,
-                           stop_requested=self.faults.in_eval(self.flag, epoch + 1),
-                           keep_logits=self.runlog.use_trackers, maths=self.step.maths)
+            with stage(f"epoch {epoch + 1}/{self.cfg.train.epochs}: validating ({len(self.splits.val)} images)",
+                       main=self.L.main):
+                res = self._validate(eval_model, epoch)
         except StepInterrupted as e:
             # The epoch's steps are done and saved as such: a resume goes straight to evaluation.
             return self.stop(e.signum, f"during the evaluation of epoch {epoch + 1}: saving the trained state")
+        return self._after_validation(epoch, eval_model, res, t0)
+
+    def _validate(self, eval_model, epoch: int):
+        self.precise_statistics(eval_model, epoch)
+        return evaluate(self.L.acc, eval_model, self.loaders.val, len(self.splits.class_names),
+                        self.loaders.normalize, self.run.eval_state,
+                        stop_requested=self.faults.in_eval(self.flag, epoch + 1),
+                        keep_logits=self.runlog.use_trackers, maths=self.step.maths)
+
+    def _after_validation(self, epoch: int, eval_model, res, t0: float) -> int:
         st = self.state
         skipped = st.epoch_skipped_samples
         improved = st.end_epoch(res.accuracy, self.cfg.train.epochs)

@@ -3,8 +3,14 @@
 In a terminal: one tqdm bar per epoch (smoothed loss and images/s, the memory in use against the
 plan, the ETA of the whole run), with log lines printed above it rather than into it (tqdm's
 logging redirection). Anywhere else (a job log, a pipe): a plain line every `train.log_every_steps`
-steps with the same figures, as timm's train.py prints. Either way each epoch leaves one line with
-its training loss, validation accuracy, time and throughput. Main process only.
+steps, and at least every PIPED_SECONDS, with the same figures, as timm's train.py prints (no
+`\r`: those are for a terminal). Either way each epoch leaves one line with its training loss,
+validation accuracy, time and throughput. Main process only.
+
+Never quiet for long: each setup stage says what it is doing as it begins (`stage`), and while a
+stage or a step lasts a heartbeat thread keeps the screen or the log moving: the bar's clock is
+redrawn every second in a terminal, and a job log gets a "still ..." line after HEARTBEAT_SECONDS
+without one, so a watcher never waits 10 s for a sign of life.
 """
 
 from __future__ import annotations
@@ -12,16 +18,87 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import time
-
-import torch
 
 log = logging.getLogger("vramfit")
 SMOOTHING = 0.1  # weight of the newest step in the running averages (tqdm's own default is 0.3)
+HEARTBEAT_SECONDS = 5.0  # the longest a job log goes without a line (half what a watcher tolerates)
+PIPED_SECONDS = 5.0  # a job log's progress line at least this often, however slow the steps
+STEP_GRACE_SECONDS = 2.0  # a step running this long gets a "running" line once the log is due one
+TICK_SECONDS = 1.0  # how often the heartbeat looks (a terminal's bar clock moves at this pace)
+
+
+class Heartbeat:
+    """`beat()` every `every` seconds on a daemon thread while the block runs. Hand-written: a
+    stage that is one blocking call (an import, a trace, a dataset scan, one long step) has no loop
+    of its own to report from, and neither tqdm's monitor nor logging has a periodic hook."""
+
+    def __init__(self, beat, every: float = TICK_SECONDS):
+        self.beat, self.every = beat, every
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="vramfit-heartbeat")
+
+    def _run(self) -> None:
+        while not self.done.wait(self.every):
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - a progress line must never stop a run
+                return
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join(timeout=2 * self.every)
+
+
+class Quiet:
+    """How long since the last line a watcher saw; `due()` once HEARTBEAT_SECONDS passed (then
+    counted from now). `clock` is injectable (tests)."""
+
+    def __init__(self, clock=time.monotonic, every: float = HEARTBEAT_SECONDS):
+        self.clock, self.every = clock, every
+        self.last = clock()
+
+    def said(self) -> None:
+        self.last = self.clock()
+
+    def due(self) -> bool:
+        if self.clock() - self.last < self.every:
+            return False
+        self.said()
+        return True
+
+
+@contextlib.contextmanager
+def stage(what: str, expect: str = "", main: bool = True, clock=time.monotonic, tick: float = TICK_SECONDS):
+    """A setup stage a person sees: its line as it begins (`expect`: how long it should take, where
+    known), a "still ..." line after every HEARTBEAT_SECONDS of silence, and its time when it was
+    long enough to need one. Main process only (`main`)."""
+    if not main:
+        yield
+        return
+    t0, quiet = clock(), Quiet(clock)
+    log.info("%s%s ...", what, f" ({expect})" if expect else "")
+
+    def beat():
+        if quiet.due():
+            log.info("  ... still %s (%.0f s)", what, clock() - t0)
+
+    with Heartbeat(beat, tick):
+        yield
+    took = clock() - t0
+    if took >= HEARTBEAT_SECONDS:
+        log.info("  %s: %.0f s", what, took)
 
 
 def memory_text(device, planned_bytes: int | None) -> str:
     """Device memory in use (allocated / reserved, against the plan's peak), or the host's on a CPU."""
+    import torch  # here: the run's first line (cli._starting) comes before torch loads
+
     gib = 2**30
     if device.type == "cuda":
         text = f"{torch.cuda.memory_allocated(device) / gib:.1f}/{torch.cuda.memory_reserved(device) / gib:.1f} GiB"
@@ -33,7 +110,7 @@ def memory_text(device, planned_bytes: int | None) -> str:
 
 class Progress:
     def __init__(self, main: bool, epochs: int, steps_per_epoch: int, log_every: int, device,
-                 planned_bytes: int | None, first_step: int, terminal: bool | None = None):
+                 planned_bytes: int | None, first_step: int, terminal: bool | None = None, clock=time.monotonic):
         self.main, self.epochs, self.steps_per_epoch, self.log_every = main, epochs, steps_per_epoch, log_every
         self.device, self.planned = device, planned_bytes
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
@@ -42,13 +119,22 @@ class Progress:
         self.loss = self.ips = None
         self.bar = None
         self.epoch_loss = self.epoch_samples = self.epoch_seconds = 0.0
+        self.clock = clock
+        self.quiet = Quiet(clock, PIPED_SECONDS)  # since the last progress line in a job log
+        self.at = (0, 0, clock())  # (epoch, steps done in it, when the last ended): what the heartbeat says
 
     @contextlib.contextmanager
     def epoch(self, epoch: int, start_step: int):
         """Around one epoch's steps: the bar (a terminal) with log lines routed above it."""
         self.epoch_loss = self.epoch_samples = self.epoch_seconds = 0.0
-        if not (self.main and self.terminal):
+        self.at = (epoch, start_step, self.clock())
+        if not self.main:
             yield
+            return
+        if not self.terminal:
+            self.quiet.said()
+            with Heartbeat(self.beat):
+                yield
             return
         from tqdm.auto import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
@@ -56,7 +142,7 @@ class Progress:
         self.bar = tqdm(total=self.steps_per_epoch, initial=start_step, desc=f"epoch {epoch + 1}/{self.epochs}",
                         dynamic_ncols=True, leave=False)
         try:
-            with logging_redirect_tqdm(loggers=[logging.root]):  # where the console handler is
+            with logging_redirect_tqdm(loggers=[logging.root]), Heartbeat(self.beat):  # where the console handler is
                 yield
         finally:
             self.bar.close()
@@ -70,7 +156,8 @@ class Progress:
         ips = samples / max(seconds, 1e-9)
         self.loss = loss if self.loss is None else (1 - SMOOTHING) * self.loss + SMOOTHING * loss
         self.ips = ips if self.ips is None else (1 - SMOOTHING) * self.ips + SMOOTHING * ips
-        line_due = self.bar is None and (global_step % self.log_every == 0 or global_step == 1)
+        self.at = (epoch, step_in_epoch, self.clock())
+        line_due = self.bar is None and (global_step % self.log_every == 0 or global_step == 1 or self.quiet.due())
         if not self.main or not (self.bar is not None or line_due):
             return
         figures = (f"loss {self.loss:.4f} | {self.ips:.0f} img/s | {memory_text(self.device, self.planned)} | "
@@ -81,6 +168,20 @@ class Progress:
         else:
             log.info("epoch %d/%d step %d/%d | %s", epoch + 1, self.epochs, step_in_epoch, self.steps_per_epoch,
                      figures)
+            self.quiet.said()
+
+    def beat(self) -> None:
+        """The heartbeat within an epoch: the bar's clock redrawn (a terminal), or a line after
+        PIPED_SECONDS without one (a job log: a step, or the wait for a batch, still running)."""
+        bar = self.bar
+        if bar is not None:
+            bar.refresh()
+            return
+        epoch, done, since = self.at
+        # A step just begun ends soon with its own line (within STEP_GRACE_SECONDS + its time).
+        if self.clock() - since >= STEP_GRACE_SECONDS and self.quiet.due():
+            log.info("epoch %d/%d step %d/%d running (%.0f s so far)", epoch + 1, self.epochs, done + 1,
+                     self.steps_per_epoch, self.clock() - since)
 
     def eta(self, global_step: int) -> float:
         """Seconds to the end of the run at the pace of this launch so far."""

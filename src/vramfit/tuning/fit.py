@@ -8,7 +8,10 @@ device it trains on, with the step it trains with (`TrainStep.rehearse`: forward
 gradient sums, no update, everything put back), so the weights of the run are those of a run given
 the winning settings directly. The search is greedy from the settings as written, one setting at a
 time, the most promising first, and stops when the probe has used its share of the run's expected
-wall time (`train.fit_probe_fraction`, 3%): a short run probes little. Every process probes the
+wall time (`train.fit_probe_fraction`, 3%): a short run probes little, and one whose steps cannot
+pay for measuring even the settings as written (WARMUP_STEPS + TIMED_STEPS steps: at 3%, a fit
+segment of fewer than 100 steps) measures nothing and says so; after each candidate, one that would
+take longer than what is left (as long as the longest so far) is not started. Every process probes the
 same candidates and takes the slowest process's time, so all agree on one choice. The result is
 cached per machine, model, image size, precision, batch split and library versions (a rerun or a
 resume does not probe again).
@@ -65,6 +68,8 @@ TIMED_STEPS = 2  # the fastest of these is the candidate's time (least disturbed
 # ResNet50 on a GPU host; the probe compiles only where its budget has this much left.
 COMPILE_PROBE_SECONDS = 60.0
 STOPPED = "not probed (a stop signal arrived)"  # a candidate's outcome once a stop signal came mid-run
+TOO_SHORT = "not probed (the run is too short to pay for measuring)"
+clock = time.perf_counter  # the probe's clock (a stand-in in tests)
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,13 @@ class FitResult:
     phase: str = "all"  # the phase it was chosen for (phases.Phase.name): the one the run started in
     image_size: int | None = None  # the first size of its fit segment (None: written before segments)
     later: list["FitResult"] = field(default_factory=list)  # each later segment's, as it began (refit)
+    skipped: str | None = None  # why nothing was measured (a run too short to pay for it)
 
     def as_dict(self) -> dict:
         out = {"mode": self.mode, "phase": self.phase, "image_size": self.image_size,
                "candidates": [c.as_dict() for c in self.candidates],
                "chosen": asdict(self.chosen) if self.chosen else None,
-               "probe_seconds": self.probe_seconds, "cached": self.cached}
+               "probe_seconds": self.probe_seconds, "cached": self.cached, "skipped": self.skipped}
         if self.later:
             out["later_phases"] = [r.as_dict() for r in self.later]
         return out
@@ -136,9 +142,10 @@ def choose(run) -> FitResult:
     if saved is not None and not saved.is_for(phase.name, start):  # resumed in a later segment
         return _resume_later(run, saved, phase, start)
     result = FitResult("fastest", phase=phase.name, image_size=start, later=saved.later if saved else [])
+    steps = segment_steps(run, phase, start)  # a later phase's or size's measurement is paid by its own steps
     with _segment(run, phase, start) as plan:
         base = replace(current(run), micro_batch=plan.micro.size)
-        _probe_or_cache(run, result, saved, lambda: search(run, base))
+        _probe_or_cache(run, result, saved, lambda: search(run, base, steps), steps)
         _take(run, phase, start, result)
     run.state.fit = result.as_dict()
     return result
@@ -167,16 +174,22 @@ def _chosen_peak(result: FitResult) -> int | None:
     return next((c.predicted_peak_bytes for c in result.candidates if c.settings == result.chosen), None)
 
 
-def _probe_or_cache(run, result: FitResult, saved: FitResult | None, probe) -> FitResult:
-    """Fill `result` from a checkpoint's choice (`saved`), the cache, or `probe()`."""
+def _probe_or_cache(run, result: FitResult, saved: FitResult | None, probe, steps: int) -> FitResult:
+    """Fill `result` from a checkpoint's choice (`saved`), the cache, or `probe()`; where `steps`
+    cannot pay for measuring anything, from the settings as planned (said, not cached)."""
     key = cache_key(run)
     hit = saved or _agreed_hit(run, cached(key))
     if hit is not None:
-        result.candidates, result.chosen, result.cached = hit.candidates, hit.chosen, True
+        result.candidates, result.chosen, result.cached, result.skipped = hit.candidates, hit.chosen, True, hit.skipped
         return result
-    started = time.perf_counter()
+    if not pays_for_measuring(run.cfg, steps):
+        base = replace(current(run), micro_batch=run.plan.micro.size)
+        result.candidates, result.chosen = [Candidate(base, run.plan.predicted_peak_bytes, outcome=TOO_SHORT)], base
+        result.skipped = too_short(run.cfg, steps)
+        return result
+    started = clock()
     result.candidates, result.chosen = probe()
-    result.probe_seconds = time.perf_counter() - started
+    result.probe_seconds = clock() - started
     cut_short = any(c.outcome == STOPPED for c in result.candidates)
     if run.launch.main and not cut_short:
         store(key, result)
@@ -233,7 +246,7 @@ def refit(run, phase, result: FitResult | None, size: int, stop=None) -> FitResu
             return None
         base = replace(current(run), micro_batch=plan.micro.size)
         later = FitResult("fastest", phase=phase.name, image_size=start)
-        _probe_or_cache(run, later, None, lambda: search(run, base, steps, layouts=False, stop=stop))
+        _probe_or_cache(run, later, None, lambda: search(run, base, steps, layouts=False, stop=stop), steps)
         _take(run, phase, start, later)
     result.later.append(later)
     run.state.fit = result.as_dict()
@@ -241,9 +254,24 @@ def refit(run, phase, result: FitResult | None, size: int, stop=None) -> FitResu
 
 
 def min_segment_steps(cfg) -> float:
-    """The fewest steps a fit segment of a progressively resized run needs to pay for measuring
-    one candidate within its share (a shorter one keeps the segment before's choice)."""
+    """The fewest steps a fit segment needs to pay for measuring one candidate within its share:
+    measuring takes WARMUP_STEPS + TIMED_STEPS steps of the same size, so the run's expected wall
+    time (at least its steps' time) pays for it only from this many steps on, whatever a step
+    costs. A shorter segment measures nothing (a progressively resized run's keeps the segment
+    before's choice)."""
     return (WARMUP_STEPS + TIMED_STEPS) / cfg.train.fit_probe_fraction
+
+
+def pays_for_measuring(cfg, steps: int) -> bool:
+    return steps >= min_segment_steps(cfg)
+
+
+def too_short(cfg, steps: int) -> str:
+    """The one line said when a segment is too short to measure: why, and what runs instead."""
+    share = cfg.train.fit_probe_fraction
+    return (f"not measured: {steps} steps x {share:g} (train.fit_probe_fraction) pay for "
+            f"{steps * share:.1f} of the {WARMUP_STEPS + TIMED_STEPS} steps measuring takes "
+            f"({min_segment_steps(cfg):.0f} steps would); training with the planned settings")
 
 
 def _vramfits_micro(plan) -> bool:
@@ -262,20 +290,24 @@ def search(run, base: Settings, steps: int | None = None, layouts: bool = True,
     def stopping() -> bool:  # agreed: every process asks at the same point
         return stop is not None and bool(agree_max(int(bool(stop())), device))
 
-    started = time.perf_counter()
+    started = clock()
     batches = first_batches(run, WARMUP_STEPS + TIMED_STEPS)
-    load_seconds = (time.perf_counter() - started) / len(batches)  # reading one batch in one process
+    load_seconds = (clock() - started) / len(batches)  # reading one batch in one process
     best = Candidate(base, predicted_peak(run, base))
-    measuring = time.perf_counter()
-    best.images_per_second = measure(run, base, batches)
+    measuring = clock()
+    best.images_per_second = timed(run, base, batches)
     best.outcome = "measured" if best.images_per_second else "out of memory"
     tried = [best]
     # Decided on figures every process shares, so that all probe the same candidates.
-    cost = _agreed_seconds(time.perf_counter() - measuring, device)  # what probing one candidate takes
-    step_seconds = batches[0].step_samples / best.images_per_second if best.images_per_second else cost
+    cost = [_agreed_seconds(clock() - measuring, device)]  # what probing each candidate took
+    step_seconds = batches[0].step_samples / best.images_per_second if best.images_per_second else cost[0]
     steps = steps if steps is not None else run.steps_per_epoch * run.cfg.train.epochs
     budget = run.cfg.train.fit_probe_fraction * steps * _agreed_seconds(
         expected_step_seconds(step_seconds, load_seconds, run.loaders.workers), device)
+    others = neighbours(run, base, layouts)
+    if run.launch.main and others:
+        log.info("fit: fastest: up to %d more settings to measure, within %.0f s (%g of ~%d steps), ~%.0f s each",
+                 len(others), budget, run.cfg.train.fit_probe_fraction, steps, cost[0])
 
     def probe(settings: Settings) -> None:
         cand = Candidate(settings, predicted_peak(run, settings))
@@ -285,22 +317,33 @@ def search(run, base: Settings, steps: int | None = None, layouts: bool = True,
         elif any(c.images_per_second for c in tried) and stopping():
             cand.outcome = STOPPED
         elif not any(c.images_per_second for c in tried) or \
-                _agreed_seconds(time.perf_counter() - started, device) + cost <= budget:
-            # Until one fits, the probe does what the out-of-memory retry would do anyway.
-            cand.images_per_second = measure(run, settings, batches)
+                _agreed_seconds(clock() - started, device) + max(cost) <= budget:
+            # Until one fits, the probe does what the out-of-memory retry would do anyway. Else a
+            # candidate starts only where it ends within the budget, were it as slow as the slowest so far.
+            t0 = clock()
+            cand.images_per_second = timed(run, settings, batches)
             cand.outcome = "measured" if cand.images_per_second else "out of memory"
+            cost.append(_agreed_seconds(clock() - t0, device))
 
-    for settings in neighbours(run, base, layouts):
+    for settings in others:
         probe(settings)
     measured = [c for c in tried if c.images_per_second]
     if measured and compile_auto and not stopping():
         tried.append(probe_compiled(run, leader(measured), batches,
-                                    budget - _agreed_seconds(time.perf_counter() - started, device)))
+                                    budget - _agreed_seconds(clock() - started, device)))
         measured = [c for c in tried if c.images_per_second]
     apply(run, base)
     if not measured:  # even the settings as written ran out of memory: the OOM retry takes over
         return tried, base
     return tried, leader(measured).settings
+
+
+def timed(run, s: Settings, batches: list) -> float | None:
+    """`measure`, said as it begins and, where it takes a while, kept alive in a job log."""
+    from ..train.progress import stage
+
+    with stage(f"fit: fastest: measuring {s.label()} on {len(batches)} batches", main=run.launch.main):
+        return measure(run, s, batches)
 
 
 def leader(measured: list[Candidate]) -> Candidate:
@@ -322,7 +365,7 @@ def probe_compiled(run, best: Candidate, batches: list, left: float) -> Candidat
         cand.outcome = f"not probed (compiling needs ~{COMPILE_PROBE_SECONDS:.0f} s, {max(left, 0):.0f} s of budget left)"
         return cand
     try:
-        cand.images_per_second = measure(run, cand.settings, batches)
+        cand.images_per_second = timed(run, cand.settings, batches)
         cand.outcome = "measured" if cand.images_per_second else "out of memory"
     except Exception as e:  # noqa: BLE001 - whatever stops torch.compile, the eager candidates stand
         cand.outcome = f"compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
@@ -519,7 +562,8 @@ def from_dict(saved: dict) -> FitResult:
     cands = [Candidate(Settings(**c["settings"]), c["predicted_peak_bytes"], c["images_per_second"], c["outcome"])
              for c in saved["candidates"]]
     return FitResult("fastest", cands, Settings(**saved["chosen"]), cached=True, phase=saved.get("phase", "all"),
-                     image_size=saved.get("image_size"), later=[from_dict(r) for r in saved.get("later_phases", [])])
+                     image_size=saved.get("image_size"), later=[from_dict(r) for r in saved.get("later_phases", [])],
+                     skipped=saved.get("skipped"))
 
 
 def store(key: str, result: FitResult) -> None:
@@ -551,7 +595,9 @@ def table(result: FitResult, named: bool = False, sized: bool = False) -> str:
         ips = f"{c.images_per_second:.0f} img/s" if c.images_per_second else c.outcome
         mark = "  <- chosen" if c.settings == result.chosen else ""
         rows.append(f"    {c.settings.label():<36} predicted {peak:>9}  {ips}{mark}")
-    how = "cached from an earlier run" if result.cached else f"probed in {result.probe_seconds:.1f} s"
     what = (f" for the `{result.phase}` phase" if named else "") + \
         (f" from {result.image_size} px" if sized and result.image_size else "")
+    if result.skipped:
+        return f"fit: fastest{what}: {result.skipped} ({result.chosen.label()})"
+    how = "cached from an earlier run" if result.cached else f"probed in {result.probe_seconds:.1f} s"
     return f"fit: fastest{what} ({how}):\n" + "\n".join(rows)
