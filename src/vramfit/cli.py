@@ -216,17 +216,7 @@ def parser() -> argparse.ArgumentParser:
 
     _add_model_commands(sub)
 
-    pr = _command(sub, "prepare", "pre-resize a dataset once into a compact Arrow dataset")
-    pr.add_argument("--data", required=True, metavar="SOURCE", help="the dataset to resize (any --data source)")
-    pr.add_argument("--output", required=True, metavar="DIR", help="where the resized Arrow dataset goes")
-    pr.add_argument("--max-side", type=bounded(int, 16), default=320, metavar="PX",
-                    help="longest side after resizing (default 320)")
-    pr.add_argument("--quality", type=bounded(int, 1, 100), default=90, metavar="Q",
-                    help="JPEG quality of the stored images, 1-100 (default 90)")
-    pr.add_argument("--workers", type=COUNT, default=None, metavar="N",
-                    help="decoding processes (default: one per CPU)")
-    pr.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="data settings, e.g. --set data.label_column=fine_label (repeatable)")
+    _add_prepare_command(sub)
 
     dr = _command(sub, "doctor", "this machine: versions, GPUs, the recipe that fits; checks a recipe and data")
     dr.add_argument("--recipe", help="plan this recipe for this card (`auto`: the one that fits)")
@@ -301,6 +291,27 @@ def _starting():
     return stage("vramfit train: starting (loading torch, timm and accelerate)", main=main)
 
 
+def _add_prepare_command(sub) -> None:
+    pr = _command(sub, "prepare", "pre-resize a dataset once into a compact Arrow dataset")
+    pr.add_argument("--data", required=True, metavar="SOURCE", help="the dataset to resize (any --data source)")
+    pr.add_argument("--output", required=True, metavar="DIR", help="where the resized Arrow dataset goes")
+    pr.add_argument("--format", choices=("arrow", "webdataset"), default="arrow",
+                    help="arrow: a resized dataset (save_to_disk); webdataset: tar shards of the images as "
+                         "stored, with index.json, to train from streamed")
+    pr.add_argument("--shard-mb", type=bounded(float, 1), default=128, metavar="MB",
+                    help="webdataset: largest shard (default 128)")
+    pr.add_argument("--shard-samples", type=bounded(int, 1), default=None, metavar="N",
+                    help="webdataset: most samples a shard (default: by --shard-mb only)")
+    pr.add_argument("--max-side", type=bounded(int, 16), default=320, metavar="PX",
+                    help="longest side after resizing (default 320)")
+    pr.add_argument("--quality", type=bounded(int, 1, 100), default=90, metavar="Q",
+                    help="JPEG quality of the stored images, 1-100 (default 90)")
+    pr.add_argument("--workers", type=COUNT, default=None, metavar="N",
+                    help="decoding processes (default: one per CPU)")
+    pr.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="data settings, e.g. --set data.label_column=fine_label (repeatable)")
+
+
 def run(argv: list[str]) -> int:
     ns = parser().parse_args(argv)
     if ns.command in ("train", "eval", "predict", "scan-data", "prepare", "lr-find", "doctor"):
@@ -357,7 +368,12 @@ def run(argv: list[str]) -> int:
     if ns.command == "prepare":
         from .commands.prepare import prepare
 
-        prepare(_data_config(ns), ns.output, ns.max_side, ns.quality, ns.workers)
+        if ns.format == "webdataset":
+            from .commands.prepare import prepare_shards
+
+            prepare_shards(_data_config(ns), ns.output, ns.shard_mb, ns.shard_samples or 0)
+        else:
+            prepare(_data_config(ns), ns.output, ns.max_side, ns.quality, ns.workers)
         return 0
     if ns.command == "doctor":
         from .commands.doctor import doctor

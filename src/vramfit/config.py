@@ -140,6 +140,12 @@ class DataConfig(Section):
     # Train at smaller sizes early (ProgressiveResize; `true` or `{}`: Composer's defaults);
     # evaluation stays at image_size. None: off.
     progressive_resize: ProgressiveResize | None = None
+    # Tar shards (data.shards): locations (not images: ~50 bytes each) in each process's shuffle
+    # buffer. Larger mixes samples across more shards; it changes the order, so the run.
+    shuffle_buffer: int = Field(16384, ge=1)
+    # Seconds a loader worker may take over one batch before the run says the stream stalled
+    # (a hung network file system) instead of waiting for ever.
+    read_timeout_s: float = Field(600.0, gt=0.0)
 
     @field_validator("progressive_resize", mode="before")
     @classmethod
@@ -342,7 +348,7 @@ EXECUTION_ONLY = {
     # Where the run writes, what it keeps and says, when it gives up, and the faults tests inject.
     "run": ("recipe", "output", "run_name", "resume", "allow_resume_change", "train.eval_batch",
             "train.log_every_steps", "train.max_consecutive_skipped_steps", "data.max_bad_fraction",
-            "data.cache_dir", "checkpoint.", "tracking.", "debug."),
+            "data.cache_dir", "data.read_timeout_s", "checkpoint.", "tracking.", "debug."),
 }
 
 

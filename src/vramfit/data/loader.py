@@ -24,6 +24,7 @@ from ..config import Config, DataConfig
 from ..errors import VramfitError
 from .decode import BadImage, decode_with_size, describe, quiet_bomb_warnings
 from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
+from .shards import ShardSamples, ShardStepSampler
 from .sources import Splits
 from .workers import end_workers_at_exit, init_worker, local_processes, resolve_workers
 
@@ -213,8 +214,10 @@ class ImageDataset(torch.utils.data.Dataset):
     def _replacement(self, index, draft: int):
         # Same replacement on every run (a function of the index only), so resume stays exact.
         n, tried = len(self.hf), []
+        # Tar shards (data.shards) name samples by location, and say which stand in for one.
+        candidate = getattr(self.hf, "replacement", lambda i, k: (i + k * 7919) % n)
         for k in range(1, REPLACEMENT_TRIES + 1):
-            j = (index + k * 7919) % n
+            j = candidate(index, k)
             try:
                 return self._load(j, draft)
             except BadImage as e:
@@ -296,8 +299,19 @@ class CheckedLoader(torch.utils.data.DataLoader):
         super().__init__(*args, **kwargs)
         self.notes_said: set[str] = set()
 
+    def _batches(self):
+        try:
+            yield from super().__iter__()
+        except RuntimeError as e:
+            if "timed out" not in str(e):
+                raise
+            raise VramfitError(f"The data stalled: no batch from the loader workers in {self.timeout:.0f} s "
+                               f"(data.read_timeout_s).",
+                               hint="check the file system the shards are on (a hung network mount?); "
+                                    "raise --set data.read_timeout_s=SECONDS for slow storage") from None
+
     def __iter__(self):
-        for batch in super().__iter__():
+        for batch in self._batches():
             if batch.stop:
                 raise VramfitError(batch.stop, hint="fix or delete these files (`vramfit scan-data "
                                                     "--data SRC` lists every unreadable one)")
@@ -308,14 +322,15 @@ class CheckedLoader(torch.utils.data.DataLoader):
             yield batch
 
 
-def make_loader(ds, batch_sampler=None, batch_size=None, workers=0, pin=False, seed=0) -> CheckedLoader:
+def make_loader(ds, batch_sampler=None, batch_size=None, workers=0, pin=False, seed=0,
+                timeout: float = 0.0) -> CheckedLoader:
     # Its own generator: creating an iterator each epoch must not draw from the global RNG, or a
     # resumed run's dropout stream would be shifted by one draw.
     kw = dict(num_workers=workers, pin_memory=pin,
               collate_fn=partial(collate, image_size=getattr(ds, "image_size", None)),
               generator=torch.Generator().manual_seed(seed))
     if workers > 0:
-        kw.update(persistent_workers=True, prefetch_factor=4, worker_init_fn=init_worker)
+        kw.update(persistent_workers=True, prefetch_factor=4, worker_init_fn=init_worker, timeout=timeout)
         end_workers_at_exit()
     if batch_sampler is not None:
         return CheckedLoader(ds, batch_sampler=batch_sampler, **kw)
@@ -371,6 +386,16 @@ def seconds_per_sample(ds: ImageDataset, sampler: StepBatchSampler, budget: floa
     return (time.perf_counter() - t0) / max(1, n)
 
 
+def train_sampler(cfg: Config, splits: Splits, rank: int, world: int, size_at=None):
+    """The order of a run's training samples: tar shards have their own (data.shards), every
+    other source the global permutation of `StepBatchSampler`."""
+    if isinstance(splits.train, ShardSamples):
+        return ShardStepSampler(splits.train, cfg.train.global_batch, rank, world, cfg.train.seed,
+                                cfg.data.shuffle_buffer, size_at=size_at)
+    return StepBatchSampler(len(splits.train), cfg.train.global_batch, rank, world, cfg.train.seed,
+                            size_at=size_at)
+
+
 def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval_batch: int,
                   compute_seconds: float | None = None, size_at: Callable[[int], int] | None = None) -> Loaders:
     """The train and validation loaders of a run, for this process of `accelerator`.
@@ -379,8 +404,7 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
     gives each training step its image size (evaluation stays at data.image_size)."""
     device_type = accelerator.device.type
     train_tf, val_tf = build_transforms(cfg.data, data_cfg, device_type)
-    sampler = StepBatchSampler(len(splits.train), cfg.train.global_batch, accelerator.process_index,
-                               accelerator.num_processes, cfg.train.seed, size_at=size_at)
+    sampler = train_sampler(cfg, splits, accelerator.process_index, accelerator.num_processes, size_at)
     train_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, train_tf,
                             cfg.data.image_size, cfg.train.seed, train=True,
                             device_jitter=device_jitter(cfg.data, device_type),
@@ -390,9 +414,14 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
     measure = None if compute_seconds is None else (lambda: (seconds_per_sample(train_ds, sampler), compute_seconds))
     workers, why = resolve_workers(cfg.data, device_type, local_processes(accelerator.num_processes), measure)
     pin = device_type == "cuda"
-    train = make_loader(train_ds, batch_sampler=sampler, workers=workers, pin=pin)
+    streamed = isinstance(splits.train, ShardSamples)
+    timeout = cfg.data.read_timeout_s if streamed else 0.0
+    train = make_loader(train_ds, batch_sampler=sampler, workers=workers, pin=pin, timeout=timeout)
     val = accelerator.prepare_data_loader(make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))
     stats = None
+    if cfg.model.precise_bn and streamed:
+        raise VramfitError("model.precise_bn is not supported with tar shards yet.",
+                           hint="drop --set model.precise_bn, or train from a folder / saved dataset")
     if cfg.model.precise_bn:
         stats_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, val_tf,
                                 cfg.data.image_size, cfg.train.seed, train=False)

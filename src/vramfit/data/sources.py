@@ -25,6 +25,7 @@ from ..config import DataConfig
 from ..errors import VramfitError
 from .builtin import BUILTIN, cache_root, ensure_digits, local_source, shadow_note
 from .folders import ImageFolder, read_image_folder, walk
+from .shards import IndexedSamples, ShardSamples, is_shards, read_index
 from .schema import (HELD_OUT_SPLITS, SPLIT_NAMES, TRAIN_SPLITS, VAL_SPLITS, column, encode_labels,
                      pick_image_column, pick_label_column)
 
@@ -75,6 +76,8 @@ def load_splits(cfg: DataConfig, *, apply_limits: bool = True) -> Splits:
     hold-out of train seeded by `data.split_seed`; then the `data.limit_*_samples` subsets (same seed).
     The run seed plays no part: it must not decide which images are validation images.
     """
+    if is_shards(cfg.source):
+        return _shard_splits(cfg)
     src = load_source(cfg)
     train, val, notes = src.train, src.val, list(src.notes)
     if val is None:
@@ -89,6 +92,28 @@ def load_splits(cfg: DataConfig, *, apply_limits: bool = True) -> Splits:
                            hint="add images, or lower/raise data.val_fraction")
     return Splits(train, val, src.class_names, src.image_column, src.label_column, src.description,
                   notes, list(src.empty_classes))
+
+
+def _shard_splits(cfg: DataConfig) -> Splits:
+    """Tar shards (data.shards): train read in place, in the order of its sampler; validation by
+    position, from one scan of its shards' headers."""
+    index = read_index(cfg.source)
+    if cfg.limit_train_samples or cfg.limit_val_samples:
+        raise VramfitError("data.limit_train_samples / data.limit_val_samples do not apply to tar shards.",
+                           hint="pass fewer shards (a shorter brace pattern) instead")
+    if not index.splits.get("train"):
+        raise VramfitError(f"The shards of {index.root} have no train split.",
+                           hint="write them with `vramfit prepare --format webdataset`")
+    val_name = cfg.val_split or next((s for s in VAL_SPLITS if index.splits.get(s)), None)
+    if val_name not in index.splits:
+        raise VramfitError(f"The shards of {index.root} have no validation split"
+                           + (f" `{val_name}`" if val_name else "") + ".",
+                           hint=f"splits: {', '.join(index.splits)}; shards are not held out at training "
+                                f"time: `vramfit prepare` writes val-*.tar")
+    train = ShardSamples(index.splits["train"])
+    val = IndexedSamples(ShardSamples(index.splits[val_name]))
+    desc = f"tar shards {cfg.source} ({len(index.splits['train'])} train, {len(index.splits[val_name])} {val_name})"
+    return Splits(train, val, index.class_names, "image", "label", desc, [])
 
 
 def load_eval_split(cfg: DataConfig, split: str, class_names: list[str]):

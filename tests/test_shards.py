@@ -1,0 +1,153 @@
+"""WebDataset tar shards: `vramfit prepare --format webdataset`, training from them read in place,
+the order of each process's share, exact resume, damaged shards."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+import pytest
+import torch
+
+from helpers import tiny_args
+
+LIMITS = ("--set", "data.val_fraction=0.2", "--set", "data.limit_train_samples=160",
+          "--set", "data.limit_val_samples=40")
+
+
+def _prepare(out, *extra):
+    from vramfit.cli import run
+
+    return run(["prepare", "--data", "digits", "--output", str(out), "--format", "webdataset", *extra])
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wds") / "digits-wds"
+    assert _prepare(out, "--shard-samples", "32", *LIMITS) == 0
+    return out
+
+
+def _shard_args(shards, *extra):
+    """tiny_args on the shards; the limits are the shards' own (prepare applied them)."""
+    args = tiny_args(*extra)
+    args[args.index("digits")] = str(shards)
+    for key in ("data.limit_train_samples=480", "data.limit_val_samples=120"):
+        at = args.index(key)
+        del args[at - 1:at + 1]
+    return args
+
+
+def test_prepare_writes_shards_with_the_images_as_stored_and_an_index(shards):
+    from vramfit.config import DataConfig
+    from vramfit.data import load_splits
+
+    index = json.loads((shards / "index.json").read_text())
+    assert index["format"] == "webdataset" and index["class_names"] == [str(i) for i in range(10)]
+    train, val = index["splits"]["train"], index["splits"]["val"]
+    assert train["samples"] == 160 and val["samples"] == 40
+    assert [s["name"] for s in train["shards"]] == [f"train-{i:06d}.tar" for i in range(5)]
+    assert all(s["samples"] == 32 for s in train["shards"])
+    # the same images a run from the source trains on (the same holdout and limits), bytes untouched
+    src = load_splits(DataConfig(source="digits", val_fraction=0.2, limit_train_samples=160,
+                                 limit_val_samples=40))
+    with tarfile.open(shards / "train-000000.tar") as tar:
+        names = tar.getnames()
+        assert names[:2] == ["00000000.png", "00000000.cls"]
+        first = tar.extractfile(names[0]).read()
+        label = int(tar.extractfile(names[1]).read())
+    with open(src.train[0]["image"]["path"], "rb") as f:
+        assert f.read() == first
+    assert label == src.train[0]["label"]
+
+
+def test_prepare_refuses_a_folder_that_is_not_empty(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "a").write_text("")
+    with pytest.raises(Exception) as e:
+        _prepare(tmp_path / "x")
+    assert "not empty" in str(e.value)
+
+
+@pytest.mark.parametrize("n,batch", [(160, 16), (157, 16), (161, 16), (33, 64)])
+def test_every_process_reads_its_own_share_and_an_epoch_sees_each_sample_once(shards, n, batch):
+    """The union over processes of an epoch's samples is the epoch, exactly once, at any process
+    count (a last step of one sample is dropped, as for every source); each process's steps have
+    the sizes `batching.rank_shares` gives."""
+    from vramfit import batching
+    from vramfit.data.shards import ShardSamples, ShardStepSampler, read_index
+
+    every = ShardSamples(read_index(str(shards)).splits["train"])
+    samples = ShardSamples(every.shards)
+    samples.num_samples = n  # the count the index gives; the shards hold at least that many
+    steps = batching.steps_per_epoch(n, batch)
+    expect = n if n % batch != 1 else n - 1
+    for world in (1, 2, 3):
+        ids, per_step = [], []
+        for rank in range(world):
+            sampler = ShardStepSampler(samples, batch, rank, world, seed=0, buffer=20)
+            shares = list(sampler)
+            assert len(shares) == steps
+            per_step.append([len([k for k in s if k[0] >= 0]) for s in shares])
+            ids += [k[0] for s in shares for k in s if k[0] >= 0]
+        assert len(ids) == len(set(ids)) == expect
+        for t in range(steps):
+            assert [p[t] for p in per_step] == batching.rank_shares(min(batch, n - t * batch), world)
+
+
+def test_the_order_is_a_function_of_seed_and_epoch_and_a_resume_skips_by_count(shards):
+    from vramfit.data.shards import ShardSamples, ShardStepSampler, read_index
+
+    samples = ShardSamples(read_index(str(shards)).splits["train"])
+
+    def order(epoch, start=0, seed=0, buffer=20):
+        s = ShardStepSampler(samples, 16, 0, 1, seed=seed, buffer=buffer)
+        s.set_epoch(epoch, start)
+        return [k for share in s for k in share]
+
+    assert order(1) == order(1) and order(1) != order(2) and order(1, seed=1) != order(1)
+    assert order(1, start=3) == order(1)[3 * 16:]
+    assert sorted(k[0] for k in order(1)) == sorted(k[0] for k in order(2))
+    assert order(1, buffer=1) != order(1)
+
+
+def test_a_truncated_shard_is_named(tmp_path, shards, train_cli):
+    """A VramfitError (`vramfit` prints it with its HINT and exits 2) naming the shard: met while
+    reading it, or at start when its size is no whole number of tar blocks."""
+    import shutil
+
+    from vramfit.config import DataConfig
+    from vramfit.data import load_splits
+    from vramfit.errors import VramfitError
+
+    copy = tmp_path / "cut"
+    shutil.copytree(shards, copy)
+    shard = copy / "train-000002.tar"
+    shard.write_bytes(shard.read_bytes()[:4096])  # whole tar blocks: only reading it finds the cut
+    with pytest.raises(VramfitError) as e:
+        train_cli(*_shard_args(copy))
+    assert "train-000002.tar" in e.value.message and e.value.hint
+    odd = copy / "train-000003.tar"
+    odd.write_bytes(odd.read_bytes()[:1000])  # a cut the start-up check sees
+    with pytest.raises(VramfitError) as e:
+        load_splits(DataConfig(source=str(copy)))
+    assert "train-000003.tar" in e.value.message and "truncated" in e.value.message
+
+
+def test_streamed_resume_after_a_signal_equals_an_uninterrupted_run_bitwise(shards, train_cli):
+    from safetensors.torch import load_file
+
+    full, code = train_cli(*_shard_args(shards), run_name="full")
+    assert code == 0
+    part, code = train_cli(*_shard_args(shards, "--set", "debug.signal_at_step=4"),
+                           run_name="part")
+    assert code == 143
+    part, code = train_cli(*_shard_args(shards), run_name="part")
+    assert code == 0
+
+    def last(run):
+        ckpts = sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        return load_file(ckpts[-1] / "model.safetensors")
+
+    a, b = last(full), last(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
