@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py setup WHEELS_DIR      # versions, the wheels' needs, every vramfit module imported
     python bench/gpu_check.py size STAGE SECONDS    # --train-samples for the fit or progressive stage
+    python bench/gpu_check.py chooser-epochs SAMPLES # the fit stage's chooser: enough steps to measure
     python bench/gpu_check.py collect WORK OUT      # OUT/results.json from every stage's figures
     python bench/gpu_check.py target THROUGHPUT_JSON  # ResNet50 bf16 images/s against the H200 target
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import pkgutil
 import sys
 import traceback
@@ -29,9 +31,11 @@ VERSIONS = ["torch", "torchvision", "timm", "accelerate", "pydantic", "pydantic_
 # which likely bounds it rather than the GPU).
 RUN_OVERHEAD_S = 8.0
 IMAGES_PER_S = 1200.0
-# stage -> (runs, epochs in all, seconds beside the runs): fit_sweep's 7 candidates and the chooser,
-# one epoch each; progressive's fixed and progressive runs of 4 epochs and its step-cost ceiling.
-SIZING = {"fit": (8, 8, 0.0), "progressive": (2, 8, 15.0)}
+# stage -> (runs, epochs in all, seconds beside the runs): fit_sweep's 7 candidates of one epoch and
+# the chooser of `chooser_epochs` (7 at 2,048 samples); progressive's fixed and progressive runs of 4
+# epochs and its step-cost ceiling.
+SIZING = {"fit": (8, 14, 0.0), "progressive": (2, 8, 15.0)}
+RECIPE_GLOBAL_BATCH = 128  # the rtx3060 recipe's
 
 
 def versions() -> None:
@@ -152,12 +156,26 @@ def target(path: str) -> int:
     return 0
 
 
+def chooser_epochs(samples: int) -> int:
+    """Epochs of `samples` the chooser trains so that its run pays for measuring (the package's own
+    rule, tuning.fit.min_segment_steps: a shorter run measures nothing, and the stage would show
+    the planner's pick as the chooser's)."""
+    from vramfit.config import build_config
+    from vramfit.tuning.fit import min_segment_steps
+
+    steps = min_segment_steps(build_config("rtx3060"))
+    return max(1, math.ceil(steps / max(1, samples // RECIPE_GLOBAL_BATCH)))
+
+
 def main(argv: list[str]) -> int:
     command, *rest = argv
     if command == "setup":
         return setup(*rest)
     if command == "size":
         print(train_samples(rest[0], float(rest[1])))
+        return 0
+    if command == "chooser-epochs":
+        print(chooser_epochs(int(rest[0])))
         return 0
     if command == "collect":
         return collect(*rest)

@@ -119,14 +119,15 @@ stage_throughput() {
 }
 
 stage_fit() {
-  local n args
+  local n e args
   n=$($PY bench/gpu_check.py size fit "$STAGE_S")
-  args=(--recipe rtx3060 --model resnet50 --image-size 224 --train-samples "$n")
+  e=$($PY bench/gpu_check.py chooser-epochs "$n")  # a chooser's run long enough to measure
+  args=(--recipe rtx3060 --model resnet50 --image-size 224 --train-samples "$n" --chooser-epochs "$e")
   if [ "$MODE" = rehearse ]; then
-    echo "on a GPU with ${STAGE_S} s: $PY bench/fit_sweep.py ${args[*]} --rounds 1 --chooser-epochs 1"
-    args=(--recipe quickstart --model test_resnet --train-samples 64)
+    echo "on a GPU with ${STAGE_S} s: $PY bench/fit_sweep.py ${args[*]} --rounds 1"
+    args=(--recipe quickstart --model test_resnet --train-samples 64 --chooser-epochs 1)
   fi
-  $PY bench/fit_sweep.py "${args[@]}" --rounds 1 --chooser-epochs 1 --out "$WORK/runs/fit" \
+  $PY bench/fit_sweep.py "${args[@]}" --rounds 1 --out "$WORK/runs/fit" \
     --json "$FIG/fit_sweep.json"
 }
 
