@@ -65,6 +65,9 @@ def shrunk(path, own_model: bool, image_size: int, weights_folder=None) -> list[
             # `micro_batch: auto` takes the whole share on a CPU; an out-of-memory error above half
             # of it splits every step in two, as on a card where the pick was too large:
             "--set", f"debug.simulate_oom_above={GLOBAL_BATCH // 2}",
+            # a GPU recipe's fit measures its first candidate as on a card: a 6-step phase pays for
+            # measuring (3 steps) from half its time on, where the recipe's 3% would skip it
+            "--set", "train.fit_probe_fraction=0.5",
             # fp16 recipes run fp16 autocast with loss scaling, as on their card (not fp32):
             "--set", "debug.fp16_on_cpu=true",
             # a recipe written for a GPU refuses a machine without one unless told:

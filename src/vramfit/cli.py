@@ -288,7 +288,7 @@ def _starting():
 
     main = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s", stream=sys.stderr)
-    return stage("vramfit train: starting (loading torch, timm and accelerate)", main=main)
+    return stage("vramfit train: starting (importing torch, timm and accelerate)", main=main)
 
 
 def _add_prepare_command(sub) -> None:
