@@ -240,7 +240,10 @@ def parser() -> argparse.ArgumentParser:
                     help="optimizer steps of the sweep at most (default 100, at least 10)")
     lf.add_argument("--start-lr", type=POSITIVE, default=1e-7, metavar="LR", help="first LR of the sweep (default 1e-7)")
     lf.add_argument("--end-lr", type=POSITIVE, default=10.0, metavar="LR", help="last LR of the sweep (default 10)")
-    lf.add_argument("--plot", default="lr_find.png", help="where the plot goes (PNG, default ./lr_find.png)")
+    lf.add_argument("--output", metavar="DIR", help="the folder of run folders the plot goes in by default "
+                                                   "(default runs/)")
+    lf.add_argument("--plot", help="where the plot goes (PNG; default OUTPUT/RUN_NAME.lr_find.png, beside the run "
+                                   "folder these settings train into)")
     return ap
 
 
