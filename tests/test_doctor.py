@@ -96,4 +96,5 @@ def test_doctor_says_the_precision_the_run_starts_with(recipe, monkeypatch, caps
     monkeypatch.setattr(D, "detect_cards", lambda with_free=False: [])
     D.doctor(None)
     text = capsys.readouterr().out
-    assert "precision: auto trains in fp32 on this CPU" in text and "quickstart's settings (fp32 on the CPU" in text
+    assert "precision: auto trains in fp32 on this CPU" in text
+    assert "quickstart's settings (fp32 on the CPU" in text

@@ -380,7 +380,8 @@ def test_the_planned_peak_is_the_largest_over_phases_wherever_it_is_read(staged_
     said = bytes_text(planned)
     start = next(line for line in (staged_ref.parent / "said.log").read_text().splitlines()
                  if line.startswith("memory: planned peak"))
-    assert start.startswith(f"memory: planned peak {said} ") and f"head {bytes_text(head['predicted_reserved_bytes'])}" in start
+    assert start.startswith(f"memory: planned peak {said} ")
+    assert f"head {bytes_text(head['predicted_reserved_bytes'])}" in start
     out = io.StringIO()
     compare([str(staged_ref)], out=out, csv_path=str(staged_ref.parent / "runs.csv"))
     row = next(csv.DictReader((staged_ref.parent / "runs.csv").open()))

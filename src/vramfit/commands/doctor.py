@@ -96,8 +96,8 @@ def auto_recipe(card: Card | None) -> AutoRecipe:
     if card is None:
         quick = yaml.safe_load((PACKAGE_RECIPES / "quickstart.yaml").read_text()) or {}
         runs = resolve_precision((quick.get("train") or {}).get("precision", "auto"), "cpu").name
-        return AutoRecipe("quickstart", [], f"no CUDA GPU here: the quickstart's settings ({runs} on the CPU, "
-                                            "small images); `vramfit plan` still predicts GPU memory")
+        return AutoRecipe("quickstart", [], f"no CUDA GPU here: the quickstart's settings ({runs} on the "
+                                            "CPU, small images); `vramfit plan` still predicts GPU memory")
     recipes = _single_card_recipes()
     fitting = [r for r in recipes if card.total_bytes >= SAME_CARD * reported_total_bytes(r[0])]
     gib, name, precision = fitting[-1] if fitting else recipes[0]
@@ -251,7 +251,8 @@ def format_report(rep: dict) -> str:
                      f"compute {g['capability'][0]}.{g['capability'][1]}, bf16 {'yes' if g['bf16'] else 'no'}, "
                      f"TF32 {'yes' if g['tf32'] else 'no'}, other processes hold about {_gib(g['others_bytes'])}")
     p = rep["precision"]
-    lines.append(f"precision: {p['requested']} trains in {p['runs']} on this {'GPU' if p['device'] == 'cuda' else 'CPU'}"
+    where = "GPU" if p["device"] == "cuda" else "CPU"
+    lines.append(f"precision: {p['requested']} trains in {p['runs']} on this {where}"
                  + (f" ({p['note']})" if p["note"] else ""))
     fit = rep["recipe_that_fits"]
     lines.append(f"recipe that fits: {fit['name']}" + (f" with {' '.join('--set ' + s for s in fit['sets'])}"

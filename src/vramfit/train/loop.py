@@ -286,7 +286,8 @@ class Trainer:
             return self.stop(e.signum, f"during the evaluation of epoch {epoch + 1}: saving the trained state")
         st = self.state
         skipped = st.epoch_skipped_samples
-        improved = st.end_epoch(res.accuracy, self.cfg.train.epochs, res.unreadable, self.progress.epoch_train_loss)
+        improved = st.end_epoch(res.accuracy, self.cfg.train.epochs, res.unreadable,
+                                self.progress.epoch_train_loss)
         if improved:
             self.export_best(eval_model)
         self.runlog.log({"kind": "eval", "epoch": epoch + 1, "val_loss": res.loss, "val_accuracy": res.accuracy,
@@ -355,8 +356,8 @@ class Trainer:
         st, last = self.state, checkpoint.latest(self.ckpt_dir)
         ids = batch.indices.tolist()
         return VramfitError(
-            f"Non-finite {e.what} ({e.value}) at global step {st.global_step + 1} (epoch {st.epoch_number}); the "
-            f"update was not applied. Sample ids of this process's batch: {ids[:64]}"
+            f"Non-finite {e.what} ({e.value}) at global step {st.global_step + 1} (epoch "
+            f"{st.epoch_number}); the update was not applied. Sample ids of this process's batch: {ids[:64]}"
             f"{' ...' if len(ids) > 64 else ''}. Last good checkpoint: {last or 'none'}.",
             hint="lower --lr, keep clip_grad_norm on, or try --precision bf16 / no; resume from the "
                  "checkpoint with --resume auto", exit_code=4)

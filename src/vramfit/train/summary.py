@@ -98,9 +98,9 @@ def say_start(run) -> None:
         log.info("%s", table(run.fit.of(run.plan.phase, start) or run.fit, named=len(run.phases) > 1,
                              sized=run.sizes.on))
     if point:
+        st = point.state
         log.info("Resumed from %s: epoch %d/%d continues after its step %d/%d (global step %d)", point.path,
-                 point.state.epoch_number, run.cfg.train.epochs, point.state.step_in_epoch, run.steps_per_epoch,
-                 point.state.global_step)
+                 st.epoch_number, run.cfg.train.epochs, st.step_in_epoch, run.steps_per_epoch, st.global_step)
 
 
 def planned_line(run) -> str | None:
@@ -116,7 +116,8 @@ def planned_line(run) -> str | None:
     card = max((p.predicted_peak_bytes or 0 for p in plans), default=0)
     return (f"memory: planned peak {bytes_text(peak)} reserved by PyTorch"
             + (f" (the largest over phases: {each})" if len(run.plans) > 1 else "")
-            + (f"; {bytes_text(card)} on the card with the CUDA context (the predicted peak)" if card else ""))
+            + (f"; {bytes_text(card)} on the card with the CUDA context (the predicted peak)"
+               if card else ""))
 
 
 def finish(result: dict, run, signum: int) -> None:
@@ -147,7 +148,7 @@ def closing_line(summary: dict, best_step, run_dir) -> None:
     best = summary["best_accuracy"]
     log.info("done in %.0f s: best val accuracy %s (step %s), %s img/s, device peak %s, %d skipped "
              "image(s) (%d unreadable in validation), %d OOM retr%s\n  run folder: %s (summary.json; best "
-             "weights in model/)", summary["wall_seconds"], f"{best:.4f}" if best is not None else "n/a", best_step,
-             f"{ips:.0f}" if ips else "n/a", peak_text, summary["skipped_samples"], summary["val_skipped_samples"],
-             summary["oom_retries"],
+             "weights in model/)", summary["wall_seconds"], f"{best:.4f}" if best is not None else "n/a",
+             best_step, f"{ips:.0f}" if ips else "n/a", peak_text, summary["skipped_samples"],
+             summary["val_skipped_samples"], summary["oom_retries"],
              "y" if summary["oom_retries"] == 1 else "ies", run_dir)
