@@ -114,7 +114,7 @@ def test_structural_change_is_refused(train_cli):
 
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, signal, sys
-    from vramfit import checkpoint
+    from vramfit.store import checkpoint
     real = checkpoint._sha256
     def killer(path):
         if ".tmp-step-20" in str(path):  # half-way through writing the second checkpoint
