@@ -305,3 +305,25 @@ def test_half_set_launch_variables_are_named(env, said, tmp_path, monkeypatch, c
     err = " ".join(capsys.readouterr().err.split())  # the paragraph as one line, wherever it wrapped
     assert e.value.code == 2 and said in err and "HINT: " in err and "torchrun --nproc_per_node 2" in err
     assert "Traceback" not in err and not any(tmp_path.iterdir())
+
+
+def test_train_takes_pretrained_and_workers_flags_above_set_and_recipe():
+    from vramfit.cli import parser, resolve_config
+
+    def config(*argv):
+        ns = parser().parse_args(["train", "--recipe", "rtx3060", *argv])
+        flags = {k: v for k, v in vars(ns).items() if "." in k and v is not None}
+        return resolve_config(ns.recipe, ns.sets, flags)
+
+    recipe = config()
+    assert recipe.model.pretrained is True  # the recipe's
+    cfg = config("--no-pretrained", "--workers", "3", "--set", "model.pretrained=true",
+                 "--set", "data.num_workers=1")
+    assert (cfg.model.pretrained, cfg.data.num_workers) == (False, 3)  # flags beat --set
+    assert config("--pretrained", "--set", "model.pretrained=false").model.pretrained is True
+    assert config("--workers", "0").data.num_workers == 0
+    assert config("--workers", "auto").data.num_workers == "auto"
+    for bad in ("65", "-1", "many"):
+        with pytest.raises(SystemExit) as e:
+            parser().parse_args(["train", "--workers", bad])
+        assert e.value.code == 2

@@ -456,6 +456,9 @@ def test_bad_files_are_skipped_and_counted_exactly(messy, train_cli):
     assert sorted(f.split(":")[0] for f in summary["unreadable_files"]) == sorted(str(p) for p in bad[:4])
     (ev,) = [m for m in metrics(run_dir) if m["kind"] == "eval"]
     assert ev["val/unreadable"] == 1 and ev["val/samples"] == 7
+    # Both splits counted apart: validation's unreadable file is in summary.json too.
+    assert summary["val_skipped_samples"] == 1
+    assert [f.split(":")[0] for f in summary["val_unreadable_files"]] == [str(bad[4])]
 
 
 def test_too_many_bad_files_stop_the_run_with_their_names(messy, train_cli):

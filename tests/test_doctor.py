@@ -76,3 +76,25 @@ def test_doctor_names_images_that_do_not_come_out_at_the_recipes_size(monkeypatc
     monkeypatch.setattr(D, "check_data", lambda cfg: never_resized)
     assert run(["doctor", "--recipe", "quickstart", "--data", "digits"]) == 1
     assert "[3, 3000, 4000] for [3, 32, 32]: DOES NOT MATCH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe", ["quickstart", "rtx3060", "gtx1660ti"])
+def test_doctor_says_the_precision_the_run_starts_with(recipe, monkeypatch, capsys):
+    """One rule says what trains (precision.resolve): doctor reads it, as the run's start line
+    does (`precision.here`), whatever the recipe asks; a bf16 recipe on a CPU runs bf16."""
+    import torch
+
+    from vramfit.runtime import precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = resolve_config(recipe, sets=["hardware.allow_cpu=true"])
+    here = D.precision_here(cfg, [])
+    assert here["runs"] == precision.here(cfg).name and here["device"] == "cpu"
+    assert here["runs"] == {"quickstart": "fp32", "rtx3060": "bf16", "gtx1660ti": "fp32"}[recipe]
+    on_v100 = D.precision_here(cfg, [card(15.78, False)])
+    assert on_v100["runs"] == precision.resolve(cfg.train.precision, "cuda", bf16_supported=False).name
+    monkeypatch.setattr(D, "detect_cards", lambda with_free=False: [])
+    D.doctor(None)
+    text = capsys.readouterr().out
+    assert "precision: auto trains in fp32 on this CPU" in text
+    assert "quickstart's settings (fp32 on the CPU" in text

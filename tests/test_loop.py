@@ -295,3 +295,21 @@ def test_in_a_terminal_a_log_line_prints_once_above_the_bar(capsys):
     finally:
         root.removeHandler(console)
     assert capsys.readouterr().err.count("one line") == 1
+
+
+def test_a_train_loss_rising_epoch_after_epoch_is_remarked_on_once(caplog):
+    """RISING_EPOCHS rises in a row earn one warning that says what to try; noise does not."""
+    from vramfit.train.progress import RISING_EPOCHS, Progress
+
+    progress = Progress(True, 10, 5, 1, torch.device("cpu"), None, 0, terminal=False)
+    rising = [1.0 + i for i in range(RISING_EPOCHS + 3)]
+    cases = {"noise": ([1.0, 1.2, 0.9, 1.1, 1.0, 1.3], 0), "rising": (rising, 1),
+             "too_few": (rising[:RISING_EPOCHS], 0)}
+    for name, (losses, warnings) in cases.items():
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vramfit"):
+            for n in range(1, len(losses) + 1):
+                progress.rising_loss(losses[:n])
+        said = [r.getMessage() for r in caplog.records if "rose" in r.getMessage()]
+        assert len(said) == warnings, name
+        assert all("lower --lr" in m and "labels" in m for m in said)

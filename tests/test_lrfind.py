@@ -68,3 +68,41 @@ def test_the_plot_goes_where_it_is_said_to(tmp_path):
         with Image.open(written) as png:
             assert png.format == "PNG"
     assert not (tmp_path / "sweep").exists()
+
+
+def test_lr_find_in_a_job_log_plots_beside_the_run_and_says_what_it_used(tmp_path):
+    """Piped (a job log): plain progress lines, never a carriage return; the plot beside the run
+    folder the same settings train into, its path printed; the settings it ran with, said."""
+    import os
+    import subprocess
+    import sys
+
+    from vramfit.config import build_config
+    from vramfit.store.runfolder import RunPaths
+
+    args = ["lr-find", "--recipe", "quickstart", "--image-size", "24", "--steps", "10",
+            "--output", str(tmp_path), "--set", "data.limit_train_samples=640"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "vramfit.cli", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\r" not in proc.stderr + proc.stdout and "lr-find: step 1/10" in proc.stderr
+    cfg = build_config("quickstart", ["data.limit_train_samples=640"],
+                       {"data.image_size": 24, "output": str(tmp_path)})
+    plot = RunPaths.of(cfg, "fp32").lr_find_plot
+    assert plot.parent == tmp_path and plot.is_file() and not (tmp_path / "lr_find.png").exists()
+    assert f"plot: {plot}" in proc.stdout and "@ 24 px" in proc.stdout and "fp32" in proc.stdout
+
+
+def test_the_defaults_said_are_those_of_the_config_used(caplog):
+    """A backbone's defaults are named for what fills the command's own config only: naming the
+    run (which builds the recipe's config to compare with) names none of its own."""
+    from vramfit.config import build_config
+    from vramfit.store.runfolder import RunPaths
+
+    with caplog.at_level("INFO", logger="vramfit"):
+        cfg = build_config("rtx3060", ["hardware.allow_cpu=true"],
+                           {"model.name": "resnet34", "data.image_size": 64})
+        RunPaths.of(cfg, "bf16")
+    said = [r.getMessage() for r in caplog.records if "defaults (not set" in r.getMessage()]
+    assert cfg.data.image_size == 64 and said and all("image_size" not in m for m in said), said

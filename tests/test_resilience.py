@@ -140,6 +140,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path, train_cli, cap
     assert code == 0
     resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Resumed from")]
     assert resumed and "step-10" in resumed[0]
+    assert "epoch 1/1 continues after its step 10/30" in resumed[0]  # the progress lines' numbering
 
 
 # A loader worker learns that its trainer died only when it next checks (every 5 s; later under

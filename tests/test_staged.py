@@ -71,7 +71,16 @@ def staged_ref(staged_args, tmp_path_factory):
     from vramfit.cli import run
 
     out = tmp_path_factory.mktemp("staged")
-    assert run(["train", "--output", str(out), "--run-name", "ref", *staged_args]) == 0
+    said, logger = logging.FileHandler(out / "said.log"), logging.getLogger("vramfit")
+    level = logger.level
+    logger.addHandler(said)  # what the run printed, for the figures it names
+    logger.setLevel(logging.INFO)
+    try:
+        assert run(["train", "--output", str(out), "--run-name", "ref", *staged_args]) == 0
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+        said.close()
     return out / "ref"
 
 
@@ -387,3 +396,30 @@ def test_a_staged_run_without_pretrained_weights_says_so_and_trains_one_epoch(tr
     [phase] = json.loads((run_dir / "summary.json").read_text())["phases"]
     assert (phase["name"], phase["first_step"], phase["steps"]) == ("all", 1, STEPS)
     assert "whole network trains from the first step" in phase["note"]
+
+
+def test_the_planned_peak_is_the_largest_over_phases_wherever_it_is_read(staged_ref):
+    """One planned peak: summary.json, the start line, compare (table and CSV) and the model card
+    all show the whole-network phase's, not the head phase's the run started in."""
+    import csv
+    import io
+
+    from vramfit.commands.compare import compare
+    from vramfit.commands.model_card import body
+    from vramfit.commands.trained import TrainedModel
+    from vramfit.planner import bytes_text
+
+    summary = json.loads((staged_ref / "summary.json").read_text())
+    head, whole = summary["phases"]
+    planned = summary["predicted_peak_memory_bytes"]
+    assert planned == whole["predicted_reserved_bytes"] > head["predicted_reserved_bytes"]
+    said = bytes_text(planned)
+    start = next(line for line in (staged_ref.parent / "said.log").read_text().splitlines()
+                 if line.startswith("memory: planned peak"))
+    assert start.startswith(f"memory: planned peak {said} ")
+    assert f"head {bytes_text(head['predicted_reserved_bytes'])}" in start
+    out = io.StringIO()
+    compare([str(staged_ref)], out=out, csv_path=str(staged_ref.parent / "runs.csv"))
+    row = next(csv.DictReader((staged_ref.parent / "runs.csv").open()))
+    assert int(row["predicted_peak_memory_bytes"]) == planned
+    assert f"planned {said}," in body(TrainedModel(staged_ref, device="cpu"), [])

@@ -265,3 +265,42 @@ def test_the_record_continues_from_the_checkpoint_and_a_fresh_start_keeps_the_ol
     continue_record(f, None)  # every checkpoint was damaged: the run starts over
     assert not f.exists() and [p.read_text() for p in tmp_path.glob("metrics.jsonl.before-*")] == \
         ["\n".join(lines[:2]) + "\n"]
+
+
+def test_every_shipped_file_names_only_figures_the_trackers_log(tracked):
+    """Sweeps (their metric), docs (every `group/name` they mention) and compare's columns name
+    what a real run logs: its W&B history and summary, and summary.json."""
+    import re
+
+    from vramfit.commands.compare import COLUMNS, CSV_FIELDS
+    from vramfit.store.tracking import FIGURE_GROUPS, MEMORY_NAMES
+
+    run_dir, run_id, first, second = tracked
+    logged = set()
+    for segment in (first, second):
+        recs = _records_by_type(segment / f"run-{run_id}.wandb")
+        logged |= {k.split("/_", 1)[0] for h in _history(recs) for k in h if not k.startswith("_")}
+        logged |= {"/".join(u.nested_key) or u.key for s in recs["summary"] for u in s.update}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for events in (run_dir / "tensorboard").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0})
+        acc.Reload()
+        logged |= set(acc.Tags()["scalars"]) | set(acc.Tags()["images"])
+    logged |= set(MEMORY_NAMES.values())  # the device's figures are logged on a GPU only; tracking names them
+    summary = json.loads((run_dir / "summary.json").read_text())
+    figures = {k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert figures <= logged  # the W&B summary
+
+    for sweep in (REPO / "sweeps").glob("*.yaml"):
+        metric = yaml.safe_load(sweep.read_text())["metric"]["name"]
+        assert metric in logged, f"{sweep.name} optimises `{metric}`, which no tracker logs"
+    named = re.compile(rf"`((?:{'|'.join(FIGURE_GROUPS)})/[a-z0-9_/]*)(?:<[^`]*>|\.\.\.)?`")
+    for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        for name in named.findall(doc.read_text()):
+            assert name in logged or any(k.startswith(name) for k in logged if name.endswith("/")), \
+                f"{doc.name} names `{name}`, which no tracker logs"
+    derived = {"seconds_to_best"}  # compare's own, from metrics.jsonl
+    for key in [k for _, k in COLUMNS if k] + CSV_FIELDS:
+        assert key in summary or key in derived or key in ("run", "path", "data", "model", "image_size",
+                                                           "grad_checkpointing"), key

@@ -139,6 +139,11 @@ def _micro(v: str):
     return value
 
 
+def _workers(v: str):
+    """`--workers`: `auto` or 0..64 (the range data.num_workers takes), as a usage error otherwise."""
+    return v if v == "auto" else bounded(int, 0, 64)(v)
+
+
 def _add_model_commands(sub) -> None:
     """The commands that use a trained run's model: eval, predict, export."""
     ev = _command(sub, "eval", "evaluate a run's model: top-1/top-5, per class, confusion matrix")
@@ -183,6 +188,12 @@ def parser() -> argparse.ArgumentParser:
                    help="learning rate at the recipe's base batch (scaled to --global-batch)")
     t.add_argument("--seed", dest="train.seed", type=bounded(int, 0), metavar="N",
                    help="seed of the weights, sample order and augmentation")
+    t.add_argument("--pretrained", dest="model.pretrained", action=argparse.BooleanOptionalAction,
+                   default=None, help="start from the Hub's pretrained weights, or from random ones "
+                                      "(offline: --no-pretrained)")
+    t.add_argument("--workers", dest="data.num_workers", type=_workers, metavar="N|auto",
+                   help="data loader worker processes (0: load in the training process; auto: sized to "
+                        "the cores)")
     t.add_argument("--tracker", dest="tracking.tracker", metavar="NAMES",
                    help="none, wandb, tensorboard, or both: wandb,tensorboard")
     t.add_argument("--resume", metavar="auto|never|PATH",
@@ -226,15 +237,21 @@ def parser() -> argparse.ArgumentParser:
     dr.add_argument("--json", action="store_true", help="print the report as JSON")
     dr.add_argument("--diff", metavar="RUN_DIR", help="what differs from the machine a run came from")
 
+    _add_lr_find(sub)
+    return ap
+
+
+def _add_lr_find(sub) -> None:
     lf = _command(sub, "lr-find", "LR range test on the recipe's model and data: suggests an LR, plots it")
     _common(lf)
     lf.add_argument("--steps", type=bounded(int, 10), default=100,
                     help="optimizer steps of the sweep at most (default 100, at least 10)")
     lf.add_argument("--start-lr", type=POSITIVE, default=1e-7, metavar="LR", help="first LR of the sweep (default 1e-7)")
     lf.add_argument("--end-lr", type=POSITIVE, default=10.0, metavar="LR", help="last LR of the sweep (default 10)")
-    lf.add_argument("--plot", default="lr_find.png",
-                    help="where the plot goes (PNG, default ./lr_find.png; a folder: lr_find.png in it)")
-    return ap
+    lf.add_argument("--output", metavar="DIR", help="the folder of run folders the plot goes in by default "
+                                                   "(default runs/)")
+    lf.add_argument("--plot", help="where the plot goes (PNG; default OUTPUT/RUN_NAME.lr_find.png, beside "
+                                   "the run folder these settings train into; a folder: lr_find.png in it)")
 
 
 def _flags(ns: argparse.Namespace) -> dict:

@@ -534,9 +534,10 @@ def _explain(err: ValidationError) -> VramfitError:
 
 
 def build_config(recipe: str | None = None, sets: list[str] | None = None,
-                 flags: dict[str, Any] | None = None) -> Config:
+                 flags: dict[str, Any] | None = None, say: bool = True) -> Config:
     """Resolve the config. `flags` maps dotted keys to values given as explicit CLI flags.
-    `--recipe auto` is resolved before this, by `cli.resolve_config`."""
+    `--recipe auto` is resolved before this, by `cli.resolve_config`. `say`: name the backbone's
+    defaults it filled in (only for the config a command runs with)."""
     tree: dict[str, Any] = load_recipe(recipe) if recipe else {}
     tree = deep_merge(tree, parse_set(sets or []))
     for dotted, value in (flags or {}).items():
@@ -544,7 +545,7 @@ def build_config(recipe: str | None = None, sets: list[str] | None = None,
             _set_path(tree, dotted, value)
     from .models.backbones import fill_backbone_defaults
 
-    tree = fill_backbone_defaults(tree)  # what neither the recipe nor the command line says
+    tree = fill_backbone_defaults(tree, say)  # what neither the recipe nor the command line says
     if recipe:
         tree["recipe"] = recipe
     try:

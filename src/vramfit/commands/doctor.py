@@ -25,6 +25,7 @@ import yaml
 from ..config import PACKAGE_RECIPES
 from ..errors import VramfitError
 from ..runtime.gpucheck import driver_too_old, driver_version, no_gpu_reason
+from ..runtime.precision import resolve as resolve_precision
 
 GiB = 2**30
 # A card counts as a recipe's card when it reports at least this share of what that card reports
@@ -93,8 +94,10 @@ def auto_recipe(card: Card | None) -> AutoRecipe:
     from ..planner import reported_total_bytes
 
     if card is None:
-        return AutoRecipe("quickstart", [], "no CUDA GPU here: the quickstart's settings (fp32 on the CPU, "
-                                            "small images); `vramfit plan` still predicts GPU memory")
+        quick = yaml.safe_load((PACKAGE_RECIPES / "quickstart.yaml").read_text()) or {}
+        runs = resolve_precision((quick.get("train") or {}).get("precision", "auto"), "cpu").name
+        return AutoRecipe("quickstart", [], f"no CUDA GPU here: the quickstart's settings ({runs} on the "
+                                            "CPU, small images); `vramfit plan` still predicts GPU memory")
     recipes = _single_card_recipes()
     fitting = [r for r in recipes if card.total_bytes >= SAME_CARD * reported_total_bytes(r[0])]
     gib, name, precision = fitting[-1] if fitting else recipes[0]
@@ -190,6 +193,18 @@ def plan_here(cfg, cards: list[Card], num_classes: int) -> dict:
             "recipe": cfg.recipe, "advice": [a["change"] for a in plan["advice"]]}
 
 
+def precision_here(cfg, cards: list[Card]) -> dict:
+    """What a run of `cfg` (None: the defaults) trains in on this machine: precision.resolve, the
+    rule the run itself starts with, so doctor and the run's start line never differ."""
+    from ..config import Config
+
+    cfg = cfg if cfg is not None else Config()
+    device = "cuda" if cards else "cpu"
+    p = resolve_precision(cfg.train.precision, device, bf16_supported=cards[0].bf16 if cards else None,
+                          fp16_on_cpu=cfg.debug.fp16_on_cpu)
+    return {"requested": p.requested, "runs": p.name, "device": device, "note": p.note}
+
+
 def doctor(cfg=None, with_data: bool = False, run_dir: str | None = None, as_json: bool = False,
            out=None) -> dict:
     """What `vramfit doctor` prints; returns it as a dict (`--json`)."""
@@ -202,6 +217,7 @@ def doctor(cfg=None, with_data: bool = False, run_dir: str | None = None, as_jso
     if with_data:
         rep["data"] = check_data(cfg)
         classes = rep["data"]["classes"]
+    rep["precision"] = precision_here(cfg, cards)
     if cfg is not None:
         rep["plan"] = plan_here(cfg, cards, classes or (10 if cfg.data.source == "digits" else 1000))
     if run_dir:
@@ -228,12 +244,16 @@ def format_report(rep: dict) -> str:
         lines.append(f"driver: {old}: update it, or install a torch built for an older CUDA")
     if not rep["gpus"]:
         why = no_gpu_reason(m.get("cuda"), os.environ.get("CUDA_VISIBLE_DEVICES"), m.get("driver"))
-        lines.append(f"GPUs: none visible ({why}): training runs on the CPU in fp32 (a GPU recipe needs "
+        lines.append(f"GPUs: none visible ({why}): training runs on the CPU (a GPU recipe needs "
                      "--set hardware.allow_cpu=true); `vramfit plan` still predicts GPU memory for any card")
     for i, g in enumerate(rep["gpus"]):
         lines.append(f"GPU {i}: {g['name']}, {_gib(g['total_bytes'])} total, {_gib(g['free_bytes'])} free, "
                      f"compute {g['capability'][0]}.{g['capability'][1]}, bf16 {'yes' if g['bf16'] else 'no'}, "
                      f"TF32 {'yes' if g['tf32'] else 'no'}, other processes hold about {_gib(g['others_bytes'])}")
+    p = rep["precision"]
+    where = "GPU" if p["device"] == "cuda" else "CPU"
+    lines.append(f"precision: {p['requested']} trains in {p['runs']} on this {where}"
+                 + (f" ({p['note']})" if p["note"] else ""))
     fit = rep["recipe_that_fits"]
     lines.append(f"recipe that fits: {fit['name']}" + (f" with {' '.join('--set ' + s for s in fit['sets'])}"
                                                        if fit["sets"] else "") + f" ({fit['why']})")

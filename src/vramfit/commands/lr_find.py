@@ -121,9 +121,35 @@ def plot(lrs: list[float], losses: list[float], suggestion: float, path: Path, t
     return save_png(fig, path, dpi=100, default_name="lr_find.png")
 
 
+@contextlib.contextmanager
+def plain_progress(module, every: int = 10):
+    """torch-lr-finder's tqdm bar in a terminal; anywhere else (a job log, a pipe) a plain line every
+    `every` steps instead, so a log file holds no carriage returns. The library takes no option for
+    its bar, so its module's `tqdm` name is swapped for the sweep and put back."""
+    if sys.stderr.isatty():
+        yield
+        return
+    bar = module.tqdm
+
+    def lines(iterable):
+        n = len(iterable)
+        for i, item in enumerate(iterable, 1):
+            if i == 1 or i % every == 0:  # before the step: the sweep may stop inside any step
+                print(f"lr-find: step {i}/{n}", file=sys.stderr, flush=True)
+            yield item
+
+    module.tqdm = lines
+    try:
+        yield
+    finally:
+        module.tqdm = bar
+
+
 def lr_find(cfg: Config, num_iter: int = 100, start_lr: float = 1e-7, end_lr: float = 10.0,
-            plot_path: str | Path = "lr_find.png", out=None) -> dict:
-    """Sweep, suggest, plot, print; the model ends as it started. Returns what it printed."""
+            plot_path: str | Path | None = None, out=None) -> dict:
+    """Sweep, suggest, plot, print; the model ends as it started. Returns what it printed.
+    `plot_path` None: beside the run folder these settings train into (runfolder.RunPaths.lr_find_plot)."""
+    import torch_lr_finder.lr_finder as library
     from torch_lr_finder import LRFinder, TrainDataLoaderIter
 
     from ..train.optim import scaled_lr
@@ -139,21 +165,25 @@ def lr_find(cfg: Config, num_iter: int = 100, start_lr: float = 1e-7, end_lr: fl
                       **amp_settings(run.launch.precision))
     # The library prints its own lines ("See the graph with {finder_name}.plot()"); what it found is
     # said below, in vramfit's words.
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), plain_progress(library):
         finder.range_test(TrainDataLoaderIter(batches), start_lr=start_lr, end_lr=end_lr, num_iter=num_iter,
                           smooth_f=0.0, diverge_th=DIVERGE, accumulation_steps=batches.per_step)
     finder.reset()  # weights, BatchNorm statistics and optimizer state as before the sweep
     lrs, losses = finder.history["lr"], finder.history["loss"]
     lr = suggest(lrs, losses)
     stated, _ = scaled_lr(cfg.optim, cfg.train.global_batch)
-    g = cfg.train.global_batch
-    plot_path = plot(lrs, losses, lr, Path(plot_path), f"{cfg.model.name}, global batch {g}")
-    result = {"suggested_lr": lr, "recipe_lr": stated, "global_batch": g, "steps": len(lrs),
+    g, size, precision = cfg.train.global_batch, cfg.data.image_size, run.launch.precision.name
+    plot_path = Path(plot_path) if plot_path is not None else run.paths.lr_find_plot
+    plot_path = plot(lrs, losses, lr, plot_path, f"{cfg.model.name} @ {size} px, global batch {g}, {precision}")
+    # The settings the sweep really ran with (the config it built the run from), said with it.
+    result = {"suggested_lr": lr, "recipe_lr": stated, "global_batch": g, "model": cfg.model.name,
+              "image_size": size, "precision": precision, "micro_batch": run.micro.size, "steps": len(lrs),
               "stopped_early": len(lrs) < num_iter, "plot": str(plot_path),
               "lrs": [float(x) for x in lrs], "losses": [float(x) for x in losses]}
     out = out if out is not None else sys.stdout
-    out.write(f"lr-find: {len(lrs)} steps from {start_lr:g}" + (" (stopped: the loss diverged)"
-                                                                 if result["stopped_early"] else "")
+    out.write(f"lr-find on {cfg.model.name} @ {size} px, global batch {g} (micro-batch {run.micro.size}), "
+              f"{precision}: {len(lrs)} steps from {start_lr:g}" + (" (stopped: the loss diverged)"
+                                                                    if result["stopped_early"] else "")
               + f"; suggested LR {lr:.3g} at global batch {g} (the recipe's: {stated:.3g}); plot: {plot_path}\n"
               f"  use it: --set optim.lr={lr:.3g} --set optim.lr_base_batch={g}\n")
     return result

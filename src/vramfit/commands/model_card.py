@@ -7,7 +7,6 @@ import json
 
 from .trained import TrainedModel
 
-GIB = 2**30
 CLASSES_LISTED = 30
 TAGS = ["image-classification", "timm", "vramfit"]
 # The planner's breakdown (plan.json `estimate`), in the order a step fills memory.
@@ -138,9 +137,9 @@ def _pretrained(cfg: dict) -> bool:
 
 
 def _gib(v) -> str:
-    if not isinstance(v, (int, float)):
-        return "n/a"
-    return f"{v / GIB:.2f} GiB" if v >= GIB / 10 else f"{v / 2**20:.1f} MiB"
+    from ..planner import bytes_text  # the one way a memory figure reads (the run's start line too)
+
+    return bytes_text(v)
 
 
 def _num(v) -> str:

@@ -46,10 +46,11 @@ def backbone(name: str) -> Backbone | None:
     return BACKBONES.get(name.split(".", 1)[0])
 
 
-def fill_backbone_defaults(tree: dict) -> dict:
+def fill_backbone_defaults(tree: dict, say: bool = True) -> dict:
     """A copy of `tree` (the config as nested dicts, before validation) with the backbone's
     defaults for `model.drop_path_rate`, `data.image_size` and, with AdamW, `optim.lr` (with
-    `optim.lr_base_batch`, the batch the LR is stated at) where `tree` says nothing."""
+    `optim.lr_base_batch`, the batch the LR is stated at) where `tree` says nothing. `say`: name
+    them; off for a config built only to compare with (a run's name), which a command never uses."""
     entry = backbone(str(tree.get("model", {}).get("name", "")))
     if entry is None:
         return tree
@@ -64,7 +65,7 @@ def fill_backbone_defaults(tree: dict) -> dict:
     if "lr" not in optim and optim.get("name", "adamw") == "adamw":
         optim["lr"], optim["lr_base_batch"] = entry.lr, BASE_BATCH
         filled.append(f"optim.lr={entry.lr:g} at global batch {BASE_BATCH}")
-    if filled:
+    if filled and say:
         log.info("%s defaults (not set by the recipe or the command line): %s", tree["model"]["name"],
                  ", ".join(filled))
     return out

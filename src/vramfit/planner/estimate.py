@@ -355,6 +355,14 @@ def pick_micro_batch(cfg: Config, num_classes: int, per_process_batch: int, budg
     return pick, [tried[m] for m in sorted(tried)]
 
 
+def bytes_text(n) -> str:
+    """A memory figure as a person reads it: GiB to two places, or MiB below a tenth of a GiB
+    (a small model's plan would otherwise read 0.00); `n/a` for no figure."""
+    if not isinstance(n, (int, float)) or isinstance(n, bool):
+        return "n/a"
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / MiB:.1f} MiB"
+
+
 def reported_total_bytes(memory_gib: float) -> int:
     """What PyTorch reports as the total of a card sold as `memory_gib` GB (REPORTED_GIB)."""
     return int(REPORTED_GIB.get(memory_gib, memory_gib * REPORTED_FRACTION) * GiB)

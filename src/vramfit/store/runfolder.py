@@ -62,7 +62,7 @@ def _differences(cfg) -> tuple[str | None, list[tuple[str, object]]]:
     differ from the recipe's with the same model), sorted by key."""
     from ..config import Config, build_config, maths_settings
 
-    base = build_config(cfg.recipe, flags={"model.name": cfg.model.name}) if cfg.recipe else \
+    base = build_config(cfg.recipe, flags={"model.name": cfg.model.name}, say=False) if cfg.recipe else \
         Config.model_validate({"model": {"name": cfg.model.name}})
     ours, theirs = maths_settings(cfg), maths_settings(base)
     data = None
@@ -142,6 +142,12 @@ class RunPaths:
     @property
     def memory_summary(self) -> Path:
         return self.dir / "memory_summary.txt"
+
+    @property
+    def lr_find_plot(self) -> Path:
+        """`vramfit lr-find`'s plot for these settings: beside the run folder they train into (not in
+        it: lr-find makes no run, and the folder stays the training run's)."""
+        return self.dir.parent / f"{self.name}.lr_find.png"
 
     @property
     def lock(self) -> Path:

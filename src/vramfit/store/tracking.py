@@ -129,6 +129,9 @@ class RunLog:
                 tracker.tracker.flush()
 
 
+# The groups every logged figure is named under (`group/name`): what docs, sweeps and compare may
+# name, checked against a real run's W&B history by tests/test_tracking.py.
+FIGURE_GROUPS = ("train", "val", "epoch", "memory")
 # Keys that keep their name (the x axes, not figures).
 AXES = ("epoch",)
 # The memory a step measured, one group whatever the record's kind.

@@ -127,6 +127,14 @@ class Training:
         """The plan of `phase` at image size `size` (None: the full size)."""
         return self.size_plans.get((phase.name, size)) or self.plans[self.phases.index(phase)]
 
+    @property
+    def planned_reserved_bytes(self) -> int | None:
+        """The planned peak a person reads (summary.json, compare, the model card, the start line):
+        the largest allocator reserve over every phase and image size, as `peak_memory_bytes`
+        measures it (each phase's own is in summary.json `phases`). None: nothing was planned."""
+        figures = [p.reserved_bytes for p in [*self.plans, *self.size_plans.values()] if p.reserved_bytes]
+        return max(figures, default=None)
+
     def plan_text(self) -> str | None:
         """The memory plan as `vramfit plan` prints it, for the out-of-memory error."""
         import io

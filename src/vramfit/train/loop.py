@@ -294,7 +294,8 @@ class Trainer:
     def _after_validation(self, epoch: int, eval_model, res, t0: float) -> int:
         st = self.state
         skipped = st.epoch_skipped_samples
-        improved = st.end_epoch(res.accuracy, self.cfg.train.epochs)
+        improved = st.end_epoch(res.accuracy, self.cfg.train.epochs, res.unreadable,
+                                self.progress.epoch_train_loss)
         if improved:
             self.export_best(eval_model)
         self.runlog.log({"kind": "eval", "epoch": epoch + 1, "val_loss": res.loss, "val_accuracy": res.accuracy,
@@ -306,6 +307,7 @@ class Trainer:
             log_evaluation(self.L.acc, res.logits, res.labels, self.splits.class_names, st.global_step,
                            indices=res.indices, load_image=dataset_images(self.splits.val, self.splits.image_column))
         self.progress.epoch_line(epoch + 1, res, improved, time.time() - (self.epoch_started or t0))
+        self.progress.rising_loss(st.epoch_losses)
         self.save()
         signum = agree_max(self.flag.signum, self.L.acc.device)
         return self.stop(signum, "at the end of an epoch", save=False) if signum else 0
@@ -364,8 +366,8 @@ class Trainer:
         st, last = self.state, checkpoint.latest(self.ckpt_dir)
         ids = batch.indices.tolist()
         return VramfitError(
-            f"Non-finite {e.what} ({e.value}) at global step {st.global_step + 1} (epoch {st.epoch}); the "
-            f"update was not applied. Sample ids of this process's batch: {ids[:64]}"
+            f"Non-finite {e.what} ({e.value}) at global step {st.global_step + 1} (epoch "
+            f"{st.epoch_number}); the update was not applied. Sample ids of this process's batch: {ids[:64]}"
             f"{' ...' if len(ids) > 64 else ''}. Last good checkpoint: {last or 'none'}.",
             hint="lower --lr, keep clip_grad_norm on, or try --precision bf16 / no; resume from the "
                  "checkpoint with --resume auto", exit_code=4)

@@ -93,6 +93,9 @@ def stage(what: str, expect: str = "", main: bool = True, clock=time.monotonic, 
     took = clock() - t0
     if took >= HEARTBEAT_SECONDS:
         log.info("  %s: %.0f s", what, took)
+# Epochs in a row whose mean train loss rose before it is remarked on: one rise is noise (an
+# unfreeze, a harder augmentation), a run of them is a learning rate too high or labels wrong.
+RISING_EPOCHS = 3
 
 
 def memory_text(device, planned_bytes: int | None) -> str:
@@ -189,6 +192,22 @@ class Progress:
         if done <= 0:
             return float("nan")
         return (time.time() - self.t0) / done * (self.total_steps - global_step)
+
+    @property
+    def epoch_train_loss(self) -> float | None:
+        """The epoch's mean train loss over the steps this launch ran (None: none ran)."""
+        return self.epoch_loss / self.epoch_samples if self.epoch_samples else None
+
+    def rising_loss(self, losses: list[float]) -> None:
+        """Said once a run of RISING_EPOCHS rises of the epochs' mean train loss is complete."""
+        recent = losses[-(RISING_EPOCHS + 1):]
+        rose = len(recent) == RISING_EPOCHS + 1 and all(b > a for a, b in zip(recent, recent[1:]))
+        before = losses[-(RISING_EPOCHS + 2):-(RISING_EPOCHS + 1)]
+        if self.main and rose and not (before and before[0] < recent[0]):  # once per run of rises
+            log.warning("the train loss rose %d epochs in a row (%s): the run is not learning. Try a lower "
+                        "--lr (vramfit lr-find suggests one), and check the data: labels that match the "
+                        "images (vramfit scan-data), classes that are not empty", RISING_EPOCHS,
+                        " -> ".join(f"{v:.4f}" for v in recent))
 
     def epoch_line(self, epoch: int, res, improved: bool, seconds: float) -> None:
         """The line each epoch leaves: training loss, validation accuracy, time, throughput."""

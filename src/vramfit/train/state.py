@@ -24,7 +24,11 @@ class TrainerState:
     final_accuracy: float | None = None
     skipped_samples: int = 0
     epoch_skipped_samples: int = 0
-    bad_files: dict[str, int] = field(default_factory=dict)
+    bad_files: dict[str, int] = field(default_factory=dict)  # train images replaced, by name
+    # Validation images the last evaluation could not read (left out of its accuracy): the two
+    # splits are counted apart, so summary.json never says "none" while validation dropped some.
+    val_unreadable: list[str] = field(default_factory=list)
+    epoch_losses: list[float] = field(default_factory=list)  # mean train loss of each finished epoch
     skipped_steps: int = 0  # fp16 GradScaler skipped the update
     # The run's micro-batch in effect (the step's own object): saved as `micro_batch` (where the run
     # was at the checkpoint, after any out-of-memory reductions) and `oom_retries`.
@@ -50,6 +54,9 @@ class TrainerState:
     LAUNCH_FIELDS = ("in_effect", "phase", "world_size", "identity", "execution")
 
     micro_batch = property(lambda self: self.in_effect.micro_batch)
+    # The one epoch number a person reads (progress lines, the resume line, errors): counted from
+    # 1, the epoch in progress, or the next one at an epoch's end; `epoch` counts those finished.
+    epoch_number = property(lambda self: self.epoch + 1)
     oom_retries = property(lambda self: self.in_effect.oom_retries)
 
     def state_dict(self) -> dict:
@@ -85,9 +92,13 @@ class TrainerState:
         self.skipped_samples += len(names)
         self.epoch_skipped_samples += len(names)
 
-    def end_epoch(self, accuracy: float | None, epochs: int) -> bool:
+    def end_epoch(self, accuracy: float | None, epochs: int, val_unreadable: list[str] = (),
+                  train_loss: float | None = None) -> bool:
         """Record an evaluated epoch; True when it is the best so far (never on 0 images)."""
         self.final_accuracy = accuracy
+        self.val_unreadable = sorted(val_unreadable)
+        if train_loss is not None:
+            self.epoch_losses.append(train_loss)
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
         self.epoch_skipped_samples = 0
         self.finished = self.epoch == epochs

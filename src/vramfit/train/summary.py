@@ -25,14 +25,17 @@ def build(run, clock) -> dict:
         "num_processes": L.world, "precision": L.precision.name,
         "images_per_second": clock.images_per_second,
         "peak_memory_bytes": peak,
-        # The planner's figure for the same quantity (allocator reserve, no CUDA context), at the
-        # micro-batch the run started with: the two side by side show how good the plan was.
-        "predicted_peak_memory_bytes": run.plan.reserved_bytes,
-        "skipped_samples": state.skipped_samples, "skipped_steps": state.skipped_steps,
+        # The planner's figure for the same quantity (allocator reserve, no CUDA context), the
+        # largest over phases (each phase's is in `phases`): the two side by side show how good
+        # the plan was.
+        "predicted_peak_memory_bytes": run.planned_reserved_bytes,
+        # Train images replaced (every occurrence), and validation images the last evaluation left out.
+        "skipped_samples": state.skipped_samples, "val_skipped_samples": len(state.val_unreadable),
+        "skipped_steps": state.skipped_steps,
         "oom_retries": step_state.oom_retries, "micro_batch_changes": step_state.history,
         "resume_changes": state.resume_changes,  # settings a resume was allowed to change, from their step
         "wall_seconds": clock.wall_seconds, "finished": state.finished,
-        "unreadable_files": sorted(state.bad_files),
+        "unreadable_files": sorted(state.bad_files), "val_unreadable_files": state.val_unreadable,
         "num_classes": len(class_names), "class_names": class_names, "empty_classes": run.splits.empty_classes,
         "phases": phases(run, now),
         "fit": run.fit.as_dict() if run.fit is not None else None,
@@ -85,6 +88,9 @@ def say_start(run) -> None:
              "%d steps/epoch, %d loader workers (%s)", run.cfg.train.global_batch, micro,
              grad_accum_steps(run.micro.per_process_batch, micro), L.world, L.precision.name, L.acc.device, run.steps_per_epoch,
              loaders.workers, loaders.workers_why)
+    planned = planned_line(run)
+    if planned:
+        log.info("%s", planned)
     if run.fit is not None and run.fit.mode == "fastest":
         from ..tuning.fit import table
         from ..tuning.size_plans import segment_start
@@ -93,8 +99,26 @@ def say_start(run) -> None:
         log.info("%s", table(run.fit.of(run.plan.phase, start) or run.fit, named=len(run.phases) > 1,
                              sized=run.sizes.on))
     if point:
-        log.info("Resumed from %s (epoch %d, step %d of the epoch, global step %d)", point.path,
-                 point.state.epoch, point.state.step_in_epoch, point.state.global_step)
+        st = point.state
+        log.info("Resumed from %s: epoch %d/%d continues after its step %d/%d (global step %d)", point.path,
+                 st.epoch_number, run.cfg.train.epochs, st.step_in_epoch, run.steps_per_epoch, st.global_step)
+
+
+def planned_line(run) -> str | None:
+    """The planned peak at start: the one figure summary.json, compare and the model card show
+    (`Training.planned_reserved_bytes`), with each phase's when there are several."""
+    from ..planner import bytes_text
+
+    peak = run.planned_reserved_bytes
+    if not peak:
+        return None
+    plans = [*run.plans, *run.size_plans.values()]
+    each = ", ".join(f"{p.phase} {bytes_text(p.reserved_bytes)}" for p in run.plans if p.reserved_bytes)
+    card = max((p.predicted_peak_bytes or 0 for p in plans), default=0)
+    return (f"memory: planned peak {bytes_text(peak)} reserved by PyTorch"
+            + (f" (the largest over phases: {each})" if len(run.plans) > 1 else "")
+            + (f"; {bytes_text(card)} on the card with the CUDA context (the predicted peak)"
+               if card else ""))
 
 
 def finish(result: dict, run, signum: int) -> None:
@@ -125,7 +149,8 @@ def closing_line(summary: dict, best_step, run_dir) -> None:
         peak_text = f"{peak / 2**30:.2f} GiB reserved" if peak else "n/a (CPU)"
     best = summary["best_accuracy"]
     log.info("done in %.0f s: best val accuracy %s (step %s), %s img/s, device peak %s, %d skipped "
-             "image(s), %d OOM retr%s\n  run folder: %s (summary.json; best weights in model/)",
-             summary["wall_seconds"], f"{best:.4f}" if best is not None else "n/a", best_step,
-             f"{ips:.0f}" if ips else "n/a", peak_text, summary["skipped_samples"], summary["oom_retries"],
+             "image(s) (%d unreadable in validation), %d OOM retr%s\n  run folder: %s (summary.json; best "
+             "weights in model/)", summary["wall_seconds"], f"{best:.4f}" if best is not None else "n/a",
+             best_step, f"{ips:.0f}" if ips else "n/a", peak_text, summary["skipped_samples"],
+             summary["val_skipped_samples"], summary["oom_retries"],
              "y" if summary["oom_retries"] == 1 else "ies", run_dir)
