@@ -207,3 +207,19 @@ def readme_launch() -> list[str]:
     launch = first.split("accelerate launch ", 1)[1].split(" --recipe")[0].split()
     assert launch[-1] == "train.py"
     return ["launch", *launch[:-1], str(REPO / "train.py")]
+
+
+def last_weights(run_dir: Path) -> dict:
+    """The weights in a run folder's newest checkpoint."""
+    from safetensors.torch import load_file
+
+    from vramfit.store import checkpoint
+
+    return load_file(checkpoint.list_steps(run_dir / "checkpoints")[-1][1] / "model.safetensors")
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    """Bitwise: the same tensors under the same names."""
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

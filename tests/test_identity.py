@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from safetensors.torch import load_file
 
-from helpers import class_tree, tiny_args, train_args
+from helpers import class_tree, last_weights, same_weights, tiny_args, train_args
 from vramfit.config import EXECUTION_ONLY, Config, execution_group, flat, maths_settings
 from vramfit.errors import VramfitError
 from vramfit.runtime.launch import forget
@@ -20,10 +18,6 @@ from vramfit.store import checkpoint
 
 # Two epochs of six steps: long enough to stop, resume and change in, short enough for the suite.
 ARGS = tiny_args("--epochs", "2", "--set", "data.limit_train_samples=96", "--set", "data.limit_val_samples=32")
-
-
-def _weights(run_dir):
-    return load_file(checkpoint.list_steps(run_dir / "checkpoints")[-1][1] / "model.safetensors")
 
 
 def _snapshot(run_dir: Path) -> dict:
@@ -61,8 +55,7 @@ def test_a_changed_run_is_refused_untouched_and_the_original_command_then_resume
         assert _snapshot(run_dir) == before, f"{change} changed the run folder"
     run_dir, code = train_cli(*args, run_name="x")  # the original command
     assert code == 0
-    a, b = _weights(ref_dir), _weights(run_dir)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(last_weights(ref_dir), last_weights(run_dir))
     assert json.loads((run_dir / "summary.json").read_text())["resume_changes"] == []
 
 

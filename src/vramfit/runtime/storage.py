@@ -207,7 +207,7 @@ def atomic_path(path: Path, what: str = "", tell: bool = True):
 
     with saving(path, what, cleanup, tell):
         yield tmp
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
 
 
@@ -247,7 +247,7 @@ def atomic_folder(path: Path, what: str = "", need: int = 0):
         yield tmp
         for f in tmp.rglob("*"):
             if f.is_file():
-                _fsync(f)
+                fsync(f)
         _swap(tmp, path)
 
 
@@ -263,7 +263,7 @@ def atomic_files(folder: Path, what: str = "", need: int = 0):
         tmp.mkdir()
         yield tmp
         for f in sorted(tmp.iterdir()):
-            _fsync(f)
+            fsync(f)
             os.replace(f, folder / f.name)
 
 
@@ -280,7 +280,7 @@ def _swap(new: Path, path: Path) -> None:
         os.rename(new, path)
         shutil.rmtree(aside, ignore_errors=True)
     with contextlib.suppress(OSError):
-        _fsync(path.parent)
+        fsync(path.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -294,7 +294,8 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file or a folder (its entries: a rename in it) to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

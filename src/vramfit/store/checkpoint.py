@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import VramfitError
-from ..runtime.storage import free_space, make_folder, removed_root, run_folder_removed, storage_fault
+from ..runtime.storage import free_space, fsync, make_folder, removed_root, run_folder_removed, storage_fault
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +56,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save(accelerator, root: Path, step: int, trainer_state: dict, keep_last: int,
@@ -110,7 +102,7 @@ def _complete(tmp: Path, final: Path, root: Path, step: int, trainer_state: dict
     if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync(root)
 
 
 @contextlib.contextmanager
