@@ -341,6 +341,7 @@ def test_a_worker_killed_under_torchrun_max_restarts_resumes_to_the_same_weights
     assert steps == sorted(set(steps)) and steps[-1] == 9  # no step twice in the record
 
 
+@pytest.mark.slow  # two trainings and a 3 s stagger: CI runs it with the slow tests
 def test_two_processes_launched_by_hand_and_a_second_later_equal_torchrun(folder, tmp_path, micro_4):
     """RANK, WORLD_SIZE, ... set by hand (as a script or `srun` does), rank 1 started 3 s after rank
     0: rank 0 says whom it waits for, the group forms, and the run ends as torchrun's."""

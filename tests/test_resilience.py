@@ -237,6 +237,7 @@ def _on_a_terminal(cmd: list[str], cwd) -> tuple[subprocess.Popen, int, "threadi
     return proc, master, done
 
 
+@pytest.mark.slow  # 60 steps twice and a resume: CI runs it with the slow tests
 def test_a_closed_terminal_saves_and_the_same_command_resumes_exactly(tmp_path, train_cli):
     """The terminal of a run (and of its 2 loader workers) is closed mid-epoch: SIGHUP. The run saves
     the last completed step although nothing can be printed any more, exits 129, and the same
