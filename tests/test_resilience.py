@@ -447,7 +447,7 @@ def test_sigkill_at_random_points_of_twenty_saves_never_loses_the_run(tmp_path, 
     import random
 
     args = tiny_args("--set", "checkpoint.every_steps=1", "--set", "train.log_every_steps=1",
-                     "--set", "data.limit_train_samples=480")
+                     "--set", "data.limit_train_samples=960")
     ref, code = train_cli(*args, run_name="ref", output=tmp_path)
     assert code == 0
     rng, run_dir = random.Random(0), tmp_path / "killed"
@@ -461,7 +461,14 @@ def test_sigkill_at_random_points_of_twenty_saves_never_loses_the_run(tmp_path, 
             time.sleep(0.01)  # until this launch has trained and saved once
         if proc.poll() is not None:
             break  # it finished before it could be killed again
-        time.sleep(rng.uniform(0.0, 0.4))  # somewhere in the next step or its save
+        # One step and its save, timed on this machine as it is now (a fixed delay let a fast
+        # machine run many steps between kills, and the run ended before twenty of them).
+        saved, t0 = checkpoint.list_steps(ckpts), time.time()
+        while time.time() < deadline and proc.poll() is None and checkpoint.list_steps(ckpts) == saved:
+            time.sleep(0.005)
+        if proc.poll() is not None:
+            break
+        time.sleep(rng.uniform(0.0, time.time() - t0))  # somewhere in the next step or its save
         proc.kill()
         proc.wait()
         kills += 1
