@@ -303,7 +303,7 @@ def _starting():
 
     from .train.progress import stage
 
-    main = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+    main = _env_int("RANK", _env_int("LOCAL_RANK", 0)) == 0
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s", stream=sys.stderr)
     return stage("vramfit train: starting (importing torch, timm and accelerate)", main=main)
 

@@ -171,27 +171,24 @@ def _unwritable_path(e: BaseException) -> str | None:
     """The path of a permission or read-only or full-disk error in `e`'s chain (None: none)."""
     import errno
 
-    for x in _chain(e):
+    from ..runtime.storage import exception_chain
+
+    for x in exception_chain(e):
         if isinstance(x, OSError) and x.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
             return str(x.filename or x.filename2 or "the Hugging Face cache")
     return None
 
 
 def _looks_offline(e: Exception) -> bool:
-    names = {type(x).__name__ for x in _chain(e)}
-    text = " ".join(str(x) for x in _chain(e)).lower()
+    from ..runtime.storage import exception_chain
+
+    chain = exception_chain(e)
+    names = {type(x).__name__ for x in chain}
+    text = " ".join(str(x) for x in chain).lower()
     return bool(names & {"LocalEntryNotFoundError", "ConnectionError", "OfflineModeIsEnabled",
                          "MaxRetryError", "NameResolutionError", "ConnectTimeout"}) or any(
         w in text for w in ("offline", "connection", "resolve", "network", "hf_hub_offline",
                             "cannot find the requested files"))
-
-
-def _chain(e: BaseException):
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
 
 
 def set_bn_momentum(model: nn.Module, momentum: float | None) -> None:

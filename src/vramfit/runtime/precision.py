@@ -38,14 +38,10 @@ class Precision:
 
     @property
     def autocast_dtype(self):
-        return dtype_of(self.accelerate)
+        """The dtype autocast computes in (None: fp32, no autocast)."""
+        import torch
 
-
-def dtype_of(accelerate_name: str):
-    """The dtype autocast computes in for a precision as Accelerate names it (None: fp32, no autocast)."""
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerate_name)
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerate)
 
 
 def requested_name(requested: str | None) -> str:

@@ -56,15 +56,21 @@ def storage_fault(error: BaseException, root: Path, written: Path | None = None,
     return None
 
 
+def exception_chain(error: BaseException) -> list[BaseException]:
+    """`error` and what caused it (`raise ... from`, or raised while handling), each once."""
+    chain, e = [], error
+    while e is not None and all(e is not c for c in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
 def errno_fault(error: BaseException) -> str | None:
     """The storage fault an OSError anywhere in `error`'s chain names by its errno, or None."""
-    seen, e = set(), error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in exception_chain(error):
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
             where = f" ({e.filename})" if getattr(e, "filename", None) else ""
             return STORAGE_ERRNOS[e.errno] + where
-        e = e.__cause__ or e.__context__
     return None
 
 
@@ -82,7 +88,7 @@ def _file_size_limit() -> int | None:
 # storage's sake (a full disk, a removed run folder) is one clear error naming the path.
 
 # Run folders a running command writes into: once one is removed (a cleanup script, `rm -rf`), no
-# writer recreates it (see `RunFolderRemoved`).
+# writer recreates it (see `run_folder_removed`).
 _watched: set[Path] = set()
 
 
@@ -139,11 +145,7 @@ def escaped_fault(error: BaseException) -> VramfitError | None:
     """The user's error for an exception no writer caught (a library's own writer, TensorBoard's
     event file): a watched run folder that is gone, or an OSError with a storage errno in its
     chain, told with its file; None when neither."""
-    chain, e = [], error
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    oserrors = [e for e in chain if isinstance(e, OSError)]
+    oserrors = [e for e in exception_chain(error) if isinstance(e, OSError)]
     gone = next((root for root in _watched if not root.is_dir()), None)
     if oserrors and gone is not None:
         return run_folder_removed(gone)
@@ -156,14 +158,12 @@ def escaped_fault(error: BaseException) -> VramfitError | None:
 @contextlib.contextmanager
 def saving(path: Path, what: str = "", cleanup=None, tell: bool = True, need: int = 0):
     """Around any write of `path`: a storage fault becomes `write_error`'s message (`tell=False`:
-    stays as it was). `cleanup()` (removing a temporary file) runs after the storage was asked,
-    which it must be while the failed write still fills the disk."""
+    stays as it was). `cleanup()` (removing a temporary file) runs last, after the storage was
+    asked, which it must be while the failed write still fills the disk."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 - a storage fault is told below; the program's re-raises
         told = write_error(e, path, what, need) if tell else None
-        if cleanup:
-            cleanup()
         if told is None or told is e:
             raise
         raise told from None
@@ -227,8 +227,9 @@ def write_json(path: Path, obj, what: str = "", tell: bool = True) -> None:
 
 def append_line(path: Path, line: str, what: str = "") -> None:
     """One line added to a record in one write (a reader skips a line a crash cut short)."""
-    if removed_root(path) is not None:  # `open(.., "a")` would create a file in a recreated folder
-        raise run_folder_removed(removed_root(path))
+    root = removed_root(path)
+    if root is not None:  # `open(.., "a")` would create a file in a recreated folder
+        raise run_folder_removed(root)
     with saving(path, what), open(path, "a") as f:
         f.write(line.rstrip("\n") + "\n")
 

@@ -24,6 +24,7 @@ from . import checkpoint
 
 log = logging.getLogger("vramfit")
 
+
 @dataclass
 class ResumePoint:
     path: Path

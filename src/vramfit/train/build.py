@@ -26,9 +26,9 @@ from ..config import Config
 from ..data.progressive import Schedule, schedule_of
 from ..errors import VramfitError
 from ..runtime.collectives import agreed, broadcast_module
+from ..runtime.storage import make_folder, write_json, write_text
 from ..store import checkpoint, resume
 from ..store.runfolder import RunPaths
-from ..runtime.storage import make_folder, write_json, write_text
 from ..store.tracking import environment, scrub
 from .progress import stage
 from .state import TrainerState
@@ -590,7 +590,8 @@ def write_config(paths: RunPaths, cfg: Config, changes: list[dict], change: dict
     says every change, so the folder never claims the new settings for the whole run."""
     if change and paths.config.is_file() and not paths.config_until(change["step"]).exists():
         write_text(paths.config_until(change["step"]), paths.config.read_text(), "the earlier settings")
-    header = "".join(f"# from step {c['step']} (allow_resume_change; until then: {paths.config_until(c['step']).name}): "
+    header = "".join(f"# from step {c['step']} (allow_resume_change; until then: "
+                     f"{paths.config_until(c['step']).name}): "
                      + "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in c["settings"].items()) + "\n"
                      for c in changes)
     write_text(paths.config, header + cfg.to_yaml(), "the run's settings")

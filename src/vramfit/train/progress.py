@@ -213,7 +213,8 @@ class Progress:
         """The line each epoch leaves: training loss, validation accuracy, time, throughput."""
         if not self.main:
             return
-        train = (f"train loss {self.epoch_loss / self.epoch_samples:.4f}, " if self.epoch_samples else "")
+        loss = self.epoch_train_loss
+        train = f"train loss {loss:.4f}, " if loss is not None else ""
         pace = f", {self.epoch_samples / self.epoch_seconds:.0f} img/s" if self.epoch_seconds else ""
         if res.accuracy is None:
             log.warning("epoch %d/%d: %sno validation image could be read (%d unreadable): no accuracy, and this "
