@@ -98,3 +98,14 @@ def test_doctor_says_the_precision_the_run_starts_with(recipe, monkeypatch, caps
     text = capsys.readouterr().out
     assert "precision: auto trains in fp32 on this CPU" in text
     assert "quickstart's settings (fp32 on the CPU" in text
+
+
+def test_doctor_plans_within_the_budget_a_run_plans_within():
+    """A 12 GB recipe on an 80 GB card: the run plans for 12 GB (tuning.probe.usable_total_bytes),
+    so doctor's plan does too; a card smaller than the recipe's plans for the card."""
+    from vramfit.planner import budget_bytes_for, reported_total_bytes
+
+    cfg = resolve_config("rtx3060", sets=["hardware.allow_cpu=true"])
+    twelve = budget_bytes_for(cfg, total_bytes=reported_total_bytes(cfg.hardware.memory_gib))
+    assert D.plan_here(cfg, [card(79.15)], 1000)["budget_bytes"] == twelve
+    assert D.plan_here(cfg, [card(7.79)], 1000)["budget_bytes"] == budget_bytes_for(cfg, total_bytes=int(7.79 * GiB))

@@ -184,8 +184,9 @@ def plan_here(cfg, cards: list[Card], num_classes: int) -> dict:
     import io
 
     from ..planner import run_plan
+    from ..tuning.probe import usable_total_bytes
 
-    total = cards[0].total_bytes if cards else None
+    total = usable_total_bytes(cfg, cards[0].total_bytes) if cards else None
     plan = run_plan(cfg, num_classes, num_processes=1, total_bytes=total, out=io.StringIO())
     keep = ("model", "image_size", "precision", "global_batch", "micro_batch", "grad_accum_steps",
             "micro_batch_source", "predicted_peak_bytes", "budget_bytes", "fits", "pick")

@@ -163,15 +163,25 @@ def card_budget_bytes(cfg: Config, device, *, warn: bool = False) -> int | None:
     `hardware.safety_margin` (the planner's arithmetic, planner.budget_bytes_for, which `vramfit
     plan` uses for a card it is not running on). Without a CUDA device: the recipe's card (None
     where it names none). `warn`: say when other processes hold part of the card."""
-    from ..planner import budget_bytes_for, reported_total_bytes
+    from ..planner import budget_bytes_for
 
     if device is None or torch.device(device).type != "cuda":
         return budget_bytes_for(cfg)
     total = torch.cuda.get_device_properties(device).total_memory
-    limits = [total, allocator_cap_bytes(device, total), usable_bytes(device, warn=warn)]
+    return budget_bytes_for(cfg, total_bytes=usable_total_bytes(
+        cfg, total, allocator_cap_bytes(device, total), usable_bytes(device, warn=warn)))
+
+
+def usable_total_bytes(cfg: Config, total: int, *limits: int | None) -> int:
+    """The card memory a run of `cfg` plans within, before the safety margin: the least of the
+    card's total, the recipe's card (`hardware.memory_gib`) and the other `limits` known (the
+    allocator's cap, what other processes leave). `vramfit doctor` asks it too, so its plan is the run's."""
+    from ..planner import reported_total_bytes
+
+    known = [total, *(b for b in limits if b is not None)]
     if cfg.hardware.memory_gib:
-        limits.append(reported_total_bytes(cfg.hardware.memory_gib))
-    return budget_bytes_for(cfg, total_bytes=min(limits))
+        known.append(reported_total_bytes(cfg.hardware.memory_gib))
+    return min(known)
 
 
 def auto_micro_batch(cfg: Config, num_classes: int, per_proc: int, model=None, device=None) -> dict:
