@@ -89,3 +89,36 @@ def within(seconds: float, what: str, fn: Callable[..., T], *args) -> T:
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+def parallel(fn: Callable[[str], T], items: list[str], threads: int = 16) -> list[T]:
+    """[fn(x) for x in items] on up to `threads` daemon threads (small reads of many files, e.g.
+    parquet footers, each a round trip to a remote store); the first failure is raised.
+
+    Not concurrent.futures: its threads are joined at interpreter exit, so one read stalled for
+    ever (the case `within` reports) would keep the process from ending."""
+    out: list = [None] * len(items)
+    errors: list[tuple[int, BaseException]] = []
+    todo = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def work():
+        while not errors:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                out[i] = fn(items[i])
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append((i, e))
+
+    workers = [threading.Thread(target=work, name="vramfit-read", daemon=True)
+               for _ in range(min(threads, len(items)))]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    return out

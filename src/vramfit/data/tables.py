@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from types import SimpleNamespace
@@ -197,9 +196,8 @@ def _resolve(cfg: DataConfig) -> Streamed:
                 hint="name one with --set {}=SPLIT, write the source once as shards with a held-out "
                      "validation split (`vramfit prepare --data SRC --output DIR --format webdataset`), "
                      "or drop data.streaming to load it whole".format(what))
-    with ThreadPoolExecutor(FOOTER_THREADS) as pool:
-        shards = {s: [Shard(f, n) for f, n in zip(files[s], pool.map(rows_of, files[s]))]
-                  for s in (train_name, val_name)}
+    shards = {s: [Shard(f, n) for f, n in zip(files[s], stores.parallel(rows_of, files[s], FOOTER_THREADS))]
+              for s in (train_name, val_name)}
     if features is None:  # the features datasets writes into the schema metadata of its files
         import datasets
 
@@ -223,11 +221,11 @@ def data_files(cfg: DataConfig) -> tuple[dict[str, list[str]], object, str]:
     """({split: files}, features or None, description) of a streamed source."""
     src = cfg.source
     if any(c in src for c in "*?[") or src.lower().endswith(KINDS):
-        found = _glob(src)
-        by_split: dict[str, list[str]] = {}
-        for f in found:
-            by_split.setdefault(split_of(PurePosixPath(PurePosixPath(f).name)), []).append(f)
-        return by_split, None, f"files {src}"
+        return _by_split(_glob(src), None), None, f"files {src}"
+    if stores.is_url(src) and not src.startswith("hf://"):  # a folder in a store: its files, any depth
+        folder = src.rstrip("/")
+        found = [f for kind in KINDS for f in _glob(f"{folder}/**/*{kind}", missing_ok=True)]
+        return _by_split(found, folder), None, f"folder {src}"
     local = local_source(src)
     desc = f"{'folder' if local is not None else 'hub dataset'} {src}"
     builder = _builder(cfg, str(local) if local is not None else src, desc)
@@ -241,12 +239,21 @@ def data_files(cfg: DataConfig) -> tuple[dict[str, list[str]], object, str]:
     return files, builder.info.features, desc
 
 
-def _glob(pattern: str) -> list[str]:
+def _by_split(files: list[str], folder: str | None) -> dict[str, list[str]]:
+    """Files by split, from their names (`schema.split_of`: the path under `folder`, else the name)."""
+    out: dict[str, list[str]] = {}
+    for f in sorted(files):
+        rel = PurePosixPath(f[len(folder) + 1:] if folder else PurePosixPath(f).name)
+        out.setdefault(split_of(rel), []).append(f)
+    return out
+
+
+def _glob(pattern: str, missing_ok: bool = False) -> list[str]:
     import fsspec.core
 
     fs, path = fsspec.core.url_to_fs(os.path.expanduser(pattern))
     found = sorted(fs.glob(path))
-    if not found:
+    if not found and not missing_ok:
         raise VramfitError(f"--data {pattern}: no file matches.", hint="check the path or pattern")
     if not stores.is_url(pattern):
         return found
