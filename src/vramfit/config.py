@@ -143,6 +143,10 @@ class DataConfig(Section):
     # Tar shards (data.shards): locations (not images: ~50 bytes each) in each process's shuffle
     # buffer. Larger mixes samples across more shards; it changes the order, so the run.
     shuffle_buffer: int = Field(16384, ge=1)
+    # Parquet / arrow files or a Hub dataset read in place (data.tables) in the tar shards' order
+    # (shuffle_buffer) instead of loaded whole; a source without a validation split is refused. It
+    # changes the order of the samples, so the run.
+    streaming: bool = False
     # Seconds a loader worker may take over one batch before the run says the stream stalled
     # (a hung network file system) instead of waiting for ever.
     read_timeout_s: float = Field(600.0, gt=0.0)

@@ -2,7 +2,9 @@
 (seed, epoch), so a resumed or rescaled run sees exactly the same samples.
 
 - `sources`: every supported source -> `Splits` (train and validation, labels as ClassLabel);
-  `folders` (image folders) and `schema` (split names, columns, labels) serve it.
+  `folders` (image folders) and `schema` (split names, columns, labels) serve it; `shards` (tar
+  shards) and `tables` (parquet / arrow files, `data.streaming`) are read in place, at a local path
+  or a URL (`stores`).
 - `ordering`: the sample order of each optimizer step, and the per-sample seeds.
 - `loader`: datasets, batches and loaders (`build_loaders`); `workers`: the loader processes.
 - `decode`: one image item -> an RGB image, or a `BadImage` saying why; `augment`: colour

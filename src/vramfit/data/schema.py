@@ -3,6 +3,9 @@ one `ClassLabel` shared by every split (strings and sparse ids mapped onto 0..K-
 
 from __future__ import annotations
 
+import re
+from pathlib import PurePath
+
 import numpy as np
 
 from ..errors import VramfitError
@@ -18,6 +21,17 @@ VAL_SPLITS = ("validation", "val", "valid")
 # Splits kept aside for a final evaluation; named as splits (folders, file names) but not picked.
 HELD_OUT_SPLITS = ("test", "eval")
 SPLIT_NAMES = TRAIN_SPLITS + VAL_SPLITS + HELD_OUT_SPLITS
+
+
+def split_of(rel: PurePath) -> str:
+    """Split of a parquet/arrow file from its path: `train-00000-of-00002.parquet`,
+    `data/validation/x.arrow`, `cifar10-test.arrow`; the file name wins over its folders."""
+    for part in reversed((*rel.parent.parts, rel.stem)):
+        tokens = re.split(r"[-_.\s]+", part.lower())
+        hit = next((s for s in SPLIT_NAMES if s in tokens), None)
+        if hit:
+            return "train" if hit in TRAIN_SPLITS else hit
+    return "train"
 
 
 def _is_image_feature(feat) -> bool:

@@ -38,12 +38,13 @@ import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from .. import batching
 from ..errors import VramfitError
+from . import stores
 from .folders import IMAGE_EXTENSIONS
 from .ordering import NO_SAMPLE, mix_seed
 
@@ -57,9 +58,15 @@ OPEN_SHARDS = 8  # open files a reader keeps, per process
 
 def is_shards(source: str) -> bool:
     """Whether `--data` names tar shards: a folder holding `index.json` of this format, a `.tar`
-    file, or a brace pattern of them."""
+    file, or a brace pattern of them (a local path or an fsspec URL)."""
     if "{" in source and ".." in source or source.endswith(".tar"):
         return True
+    if stores.is_url(source):
+        index = stores.join(source, INDEX)
+        try:
+            return stores.exists(index) and json.loads(stores.read_text(index)).get("format") == FORMAT
+        except (OSError, ValueError):
+            return False
     index = Path(source).expanduser() / INDEX
     if not index.is_file():
         return False
@@ -93,9 +100,16 @@ def _unreadable(path: str, why: str) -> VramfitError:
 
 def _open(path: str) -> tarfile.TarFile:
     try:
+        if stores.is_url(path):  # seeks on it are range requests (data.stores)
+            return tarfile.open(fileobj=stores.open_binary(path), mode="r:")
         return tarfile.open(path, "r:")
     except (OSError, tarfile.TarError) as e:
         raise _unreadable(path, f"{type(e).__name__}: {e}") from None
+
+
+def _close(tar: tarfile.TarFile) -> None:
+    tar.close()
+    tar.fileobj.close()  # a file given to tarfile (a URL's) is left open by tar.close()
 
 
 def _stem(name: str) -> str:
@@ -121,16 +135,17 @@ def scan(path: str) -> Iterator[int]:
                 key = _stem(info.name)
                 yield info.offset
     finally:
-        tar.close()
+        _close(tar)
 
 
 class ShardSamples:
     """The samples of some shards, read by location (`ImageDataset`'s `hf`): `self[loc]` is a row
     {"image": {"bytes", "path"}, "label"}. `len` is the index's count."""
 
-    def __init__(self, shards: list[Shard]):
+    def __init__(self, shards: list[Shard], read_timeout_s: float | None = None):
         self.shards = list(shards)
         self.num_samples = sum(s.samples for s in shards)
+        self.read_timeout_s = read_timeout_s  # the watch on the main process's reads of remote shards
         self._files: dict[int, tarfile.TarFile] = {}
 
     def __len__(self) -> int:
@@ -143,7 +158,7 @@ class ShardSamples:
         tar = self._files.get(shard_no)
         if tar is None:
             if len(self._files) >= OPEN_SHARDS:
-                self._files.pop(next(iter(self._files))).close()
+                _close(self._files.pop(next(iter(self._files))))
             tar = self._files[shard_no] = _open(self.shards[shard_no].path)
         return tar
 
@@ -177,6 +192,16 @@ class ShardSamples:
             raise _unreadable(path, f"sample {key} has no .cls or .json label")
         return {"image": image or {"bytes": b"", "path": f"{path}/{key} (no image member)"}, "label": label}
 
+    def offsets(self, shard_no: int) -> Iterable[int]:
+        """The offsets of one shard's samples, in order (the location's low bits), checked against
+        the index's count. A remote shard's headers are read whole under the read watch
+        (data.stores.within): the sampler reads them in the main process, which no worker watch covers."""
+        shard = self.shards[shard_no]
+        if self.read_timeout_s is None or not stores.is_url(shard.path):
+            return _checked_scan(shard)
+        return stores.within(self.read_timeout_s, f"reading the tar headers of {shard.path}",
+                             lambda: list(_checked_scan(shard)))
+
     def replacement(self, loc: int, k: int) -> int:
         """The k-th candidate in place of an unreadable image: the sample k places after it in its
         shard, wrapping (a function of the location only, so a resume replaces it the same way)."""
@@ -204,8 +229,8 @@ class IndexedSamples:
 
     def __init__(self, samples: ShardSamples):
         self.samples = samples
-        self.locs = np.asarray([n * 2 ** SHARD_BITS + off for n, shard in enumerate(samples.shards)
-                                for off in _checked_scan(shard)], dtype=np.int64)
+        self.locs = np.asarray([n * 2 ** SHARD_BITS + off for n in range(len(samples.shards))
+                                for off in samples.offsets(n)], dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.locs)
@@ -273,7 +298,7 @@ class ShardStepSampler:
         for shard_no in self.shard_order(epoch):
             shard = self.samples.shards[shard_no]
             if pos + shard.samples > start and pos < stop:
-                for k, off in enumerate(_checked_scan(shard)):
+                for k, off in enumerate(self.samples.offsets(shard_no)):
                     if start <= pos + k < stop:
                         yield shard_no * 2 ** SHARD_BITS + off
             pos += shard.samples
@@ -300,30 +325,35 @@ class ShardStepSampler:
 class ShardIndex:
     """What `index.json` says: class names and each split's shards with their sample counts."""
 
-    root: Path
+    root: Path | str  # a local folder, or the URL of a remote one
     class_names: list[str]
     splits: dict[str, list[Shard]]
 
 
 def read_index(source: str) -> ShardIndex:
     """The shards `--data` names: a folder with `index.json`, or a `.tar` / brace pattern whose
-    folder holds one (then the pattern picks the train shards, the index the rest)."""
-    src = os.path.expanduser(source)
-    folder = Path(src) if Path(src).is_dir() else Path(src).parent
-    index = folder / INDEX
-    if not index.is_file():
+    folder holds one (then the pattern picks the train shards, the index the rest). Local paths and
+    fsspec URLs alike (data.stores)."""
+    src = source if stores.is_url(source) else os.path.expanduser(source)
+    if stores.is_url(src):
+        folder: Path | str = src.rstrip("/") if stores.is_dir(src) else stores.parent(src)
+    else:
+        folder = Path(src) if Path(src).is_dir() else Path(src).parent
+    index = stores.join(str(folder), INDEX)
+    if not stores.exists(index):
         raise VramfitError(f"--data {source}: no {INDEX} next to the shards ({index}).",
                            hint="write the shards with `vramfit prepare --data SRC --output DIR --format "
                                 "webdataset`, which writes the index (class names, shards, sample counts)")
     try:
-        meta = json.loads(index.read_text())
-        splits = {name: [Shard(str(folder / s["name"]), int(s["samples"])) for s in part["shards"]]
+        meta = json.loads(stores.read_text(index))
+        splits = {name: [Shard(stores.join(str(folder), s["name"]), int(s["samples"]))
+                         for s in part["shards"]]
                   for name, part in meta["splits"].items()}
         class_names = [str(c) for c in meta["class_names"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise VramfitError(f"{index} is not a shard index: {type(e).__name__}: {e}",
                            hint="re-write it with `vramfit prepare --format webdataset`") from None
-    if not Path(src).is_dir():
+    if not stores.is_dir(src):
         wanted = {os.path.abspath(p) for p in expand_braces(src)}
         known = {os.path.abspath(s.path): s for s in splits.get("train", [])}
         missing = sorted(wanted - set(known))
@@ -341,7 +371,7 @@ def _check_size(shard: Shard) -> None:
     """A cheap check at start (no byte read): present, and a whole number of tar blocks (a copy cut
     short rarely ends on one); a damage that passes it is named when the shard is read."""
     try:
-        size = os.stat(shard.path).st_size
+        size = stores.size(shard.path)
     except OSError as e:
         raise _unreadable(shard.path, e.strerror or type(e).__name__) from None
     if size % tarfile.BLOCKSIZE or size < 2 * tarfile.BLOCKSIZE:

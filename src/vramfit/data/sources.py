@@ -14,7 +14,6 @@ from __future__ import annotations
 import difflib
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,9 +24,10 @@ from ..config import DataConfig
 from ..errors import VramfitError
 from .builtin import BUILTIN, cache_root, ensure_digits, local_source, shadow_note
 from .folders import ImageFolder, read_image_folder, walk
+from . import stores, tables
 from .shards import IndexedSamples, ShardSamples, is_shards, read_index
-from .schema import (HELD_OUT_SPLITS, SPLIT_NAMES, TRAIN_SPLITS, VAL_SPLITS, column, encode_labels,
-                     pick_image_column, pick_label_column)
+from .schema import (HELD_OUT_SPLITS, SPLIT_NAMES, VAL_SPLITS, column, encode_labels, pick_image_column,
+                     pick_label_column, split_of)
 
 if TYPE_CHECKING:  # type names only; datasets is imported where it is used
     import datasets
@@ -78,6 +78,8 @@ def load_splits(cfg: DataConfig, *, apply_limits: bool = True) -> Splits:
     """
     if is_shards(cfg.source):
         return _shard_splits(cfg)
+    if cfg.streaming:
+        return _streamed_splits(cfg)
     src = load_source(cfg)
     train, val, notes = src.train, src.val, list(src.notes)
     if val is None:
@@ -97,7 +99,8 @@ def load_splits(cfg: DataConfig, *, apply_limits: bool = True) -> Splits:
 def _shard_splits(cfg: DataConfig) -> Splits:
     """Tar shards (data.shards): train read in place, in the order of its sampler; validation by
     position, from one scan of its shards' headers."""
-    index = read_index(cfg.source)
+    index = stores.within(cfg.read_timeout_s, f"reading the shard index of {cfg.source}", read_index,
+                          cfg.source)
     if cfg.limit_train_samples or cfg.limit_val_samples:
         raise VramfitError("data.limit_train_samples / data.limit_val_samples do not apply to tar shards.",
                            hint="pass fewer shards (a shorter brace pattern) instead")
@@ -110,10 +113,21 @@ def _shard_splits(cfg: DataConfig) -> Splits:
                            + (f" `{val_name}`" if val_name else "") + ".",
                            hint=f"splits: {', '.join(index.splits)}; shards are not held out at training "
                                 f"time: `vramfit prepare` writes val-*.tar")
-    train = ShardSamples(index.splits["train"])
-    val = IndexedSamples(ShardSamples(index.splits[val_name]))
+    train = ShardSamples(index.splits["train"], cfg.read_timeout_s)
+    val = IndexedSamples(ShardSamples(index.splits[val_name], cfg.read_timeout_s))
     desc = f"tar shards {cfg.source} ({len(index.splits['train'])} train, {len(index.splits[val_name])} {val_name})"
     return Splits(train, val, index.class_names, "image", "label", desc, [])
+
+
+def _streamed_splits(cfg: DataConfig) -> Splits:
+    """Parquet / arrow files or a Hub dataset read in place (data.streaming, data.tables), in the tar
+    shards' order; validation by position, from the source's own validation split."""
+    if cfg.limit_train_samples or cfg.limit_val_samples:
+        raise VramfitError("data.limit_train_samples / data.limit_val_samples do not apply with "
+                           "data.streaming.", hint="pass fewer files (a glob) instead")
+    streamed = tables.resolve(cfg)
+    return Splits(streamed.train, IndexedSamples(streamed.val), streamed.class_names, "image", "label",
+                  streamed.description, [])
 
 
 def load_eval_split(cfg: DataConfig, split: str, class_names: list[str]):
@@ -311,23 +325,12 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
-def _split_of(rel: Path) -> str:
-    """Split of a parquet/arrow file from its path: `train-00000-of-00002.parquet`,
-    `data/validation/x.arrow`, `cifar10-test.arrow`; the file name wins over its folders."""
-    for part in reversed((*rel.parent.parts, rel.stem)):
-        tokens = re.split(r"[-_.\s]+", part.lower())
-        hit = next((s for s in SPLIT_NAMES if s in tokens), None)
-        if hit:
-            return "train" if hit in TRAIN_SPLITS else hit
-    return "train"
-
-
 def _load_files(cfg: DataConfig, kind: str, root: Path, files: list[Path]):
     import datasets
 
     by_split: dict[str, list[str]] = {}
     for f in sorted(files):
-        by_split.setdefault(_split_of(f.relative_to(root)), []).append(str(f))
+        by_split.setdefault(split_of(f.relative_to(root)), []).append(str(f))
     kwargs = {"cache_dir": str(cache_root(cfg.cache_dir) / "hf-datasets")} if cfg.cache_dir else {}
     try:
         return datasets.load_dataset(kind, data_files=by_split, **kwargs)
