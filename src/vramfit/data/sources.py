@@ -101,11 +101,13 @@ def _shard_splits(cfg: DataConfig) -> Splits:
     notes = []
     train = limited(index.splits["train"], cfg.limit_train_samples, cfg.split_seed)
     val = limited(index.splits[val_name], cfg.limit_val_samples, cfg.split_seed)
-    for part, limit, shards in (("train", cfg.limit_train_samples, train), ("val", cfg.limit_val_samples, val)):
-        total = sum(s.samples for s in index.splits["train" if part == "train" else val_name])
+    for part, limit, whole, shards in (("train", cfg.limit_train_samples, "train", train),
+                                       ("val", cfg.limit_val_samples, val_name, val)):
+        total = sum(s.samples for s in index.splits[whole])
         if limit is not None and limit < total:
             notes.append(f"data.limit_{part}_samples: the first {limit} of {total} {part} samples in a "
-                         f"seeded order of the shards ({len(shards)} shard(s), data.split_seed {cfg.split_seed})")
+                         f"seeded order of the shards ({len(shards)} shard(s), data.split_seed "
+                         f"{cfg.split_seed})")
     desc = f"tar shards {cfg.source} ({len(train)} train, {len(val)} {val_name})"
     return Splits(ShardSamples(train), IndexedSamples(ShardSamples(val)), index.class_names, "image",
                   "label", desc, notes)
@@ -125,7 +127,8 @@ def _shard_index(cfg: DataConfig):
         raise VramfitError(f"The shards of {index.root} have no validation split"
                            + (f" `{val_name}`" if val_name else "") + ".",
                            hint=f"splits: {', '.join(index.splits)}; validation shards are the folder's "
-                                f"files named with a split word (val-000000.tar, imagenet-validation-0000.tar) "
+                                f"files named with a split word (val-000000.tar, "
+                                f"imagenet-validation-0000.tar) "
                                 f"or the info file's `validation` split; `vramfit prepare` writes val-*.tar")
     return index, val_name
 
