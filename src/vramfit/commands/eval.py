@@ -89,6 +89,10 @@ def _columns(ds) -> tuple[str, str]:
     """(image column, label column) of a loaded split: its two columns, the label one a ClassLabel."""
     import datasets
 
+    from ..data.shards import IndexedSamples
+
+    if isinstance(ds, IndexedSamples):  # tar shards: rows {"image", "label"}
+        return "image", "label"
     label = next(n for n, f in ds.features.items() if isinstance(f, datasets.ClassLabel))
     return next(n for n in ds.column_names if n != label), label
 
@@ -135,7 +139,10 @@ def _names(names: list[str], most: int = 10) -> str:
 
 def _labels(ds, label_col: str) -> list[int]:
     from ..data.schema import column
+    from ..data.shards import IndexedSamples, split_labels
 
+    if isinstance(ds, IndexedSamples):  # read from the shards' label members, not with every image again
+        return split_labels(ds.samples)
     return column(ds, label_col)
 
 

@@ -151,7 +151,8 @@ class ColumnItems:
     encoded images would be loaded into memory at once); picklable for loader workers."""
 
     def __init__(self, ds, column: str):
-        self.ds = ds.select_columns([column])
+        # tar shards (data.shards.IndexedSamples) read a row without a column choice
+        self.ds = ds.select_columns([column]) if hasattr(ds, "select_columns") else ds
         self.column = column
 
     def __len__(self):

@@ -24,7 +24,7 @@ from ..config import Config, DataConfig
 from ..errors import VramfitError
 from .decode import BadImage, decode_with_size, describe, quiet_bomb_warnings
 from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
-from .shards import ShardSamples, ShardStepSampler
+from .shards import ShardSamples, ShardStepSampler, fixed_locations
 from .sources import Splits
 from .workers import end_workers_at_exit, init_worker, local_processes, resolve_workers
 
@@ -419,25 +419,26 @@ def build_loaders(cfg: Config, splits: Splits, data_cfg: dict, accelerator, eval
     train = make_loader(train_ds, batch_sampler=sampler, workers=workers, pin=pin, timeout=timeout)
     val = accelerator.prepare_data_loader(make_loader(val_ds, batch_size=eval_batch, workers=workers, pin=pin))
     stats = None
-    if cfg.model.precise_bn and streamed:
-        raise VramfitError("model.precise_bn is not supported with tar shards yet.",
-                           hint="drop --set model.precise_bn, or train from a folder / saved dataset")
     if cfg.model.precise_bn:
         stats_ds = ImageDataset(splits.train, splits.image_column, splits.label_column, val_tf,
                                 cfg.data.image_size, cfg.train.seed, train=False)
+        # Tar shards name samples by location: a seeded draw of them, the same on every process.
+        order = fixed_locations(splits.train, cfg.model.precise_bn, cfg.train.seed) if streamed else None
         stats = statistics_loader(stats_ds, cfg.model.precise_bn, eval_batch, cfg.train.seed,
-                                  accelerator.process_index, accelerator.num_processes, workers, pin)
+                                  accelerator.process_index, accelerator.num_processes, workers, pin, order)
     return Loaders(train, val, sampler, workers,
                    normalizer(data_cfg, accelerator.device, cfg.model.channels_last), why, stats)
 
 
 def statistics_loader(ds: ImageDataset, images: int, batch: int, seed: int, rank: int, world: int,
-                      workers: int, pin: bool) -> CheckedLoader:
+                      workers: int, pin: bool, order: list[int] | None = None) -> CheckedLoader:
     """model.precise_bn's images: the first `images` of a fixed permutation of the train split
-    (seeded by the run), dealt to the processes so each holds as many, in batches of `batch`: every
-    process runs the same number of forwards (FSDP's collectives), and one process of a
-    multi-process run sees a share of the same set one process would see whole."""
-    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()[:images]
+    (seeded by the run; `order`: the keys to use instead, tar shards' `fixed_locations`), dealt to
+    the processes so each holds as many, in batches of `batch`: every process runs the same number
+    of forwards (FSDP's collectives), and one process of a multi-process run sees a share of the same
+    set one process would see whole."""
+    if order is None:
+        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()[:images]
     mine = order[rank::world][:len(order) // world]
     # A last batch of one image is left out: a train-mode BatchNorm over one value per channel fails.
     batches = [b for b in (mine[i:i + batch] for i in range(0, len(mine), batch)) if len(b) > 1]

@@ -37,7 +37,7 @@ import random
 import re
 import tarfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -47,33 +47,52 @@ from ..errors import VramfitError
 from . import stores
 from .folders import IMAGE_EXTENSIONS
 from .ordering import NO_SAMPLE, mix_seed
+from .schema import VAL_SPLITS, split_of
 
 INDEX = "index.json"
 FORMAT = "webdataset"
 SHARD_BITS = 40  # a shard up to 1 TB; up to 2**23 shards in a 63-bit location
 LABEL_EXTENSIONS = (".cls", ".json")
-SPLIT_PREFIXES = {"train": "train", "val": "val", "validation": "val", "valid": "val", "test": "test"}
 OPEN_SHARDS = 8  # open files a reader keeps, per process
+INFO_FILES = ("_info.json", "_info.yaml", "info.json")  # timm's reader_wds reads these
+NAME_FIELDS = ("class_name", "name")  # a .json label's class name, where it carries one
 
 
 def is_shards(source: str) -> bool:
-    """Whether `--data` names tar shards: a folder holding `index.json` of this format, a `.tar`
-    file, or a brace pattern of them (a local path or an fsspec URL)."""
+    """Whether `--data` names tar shards: a `.tar` file or a brace pattern of them, or a folder
+    holding `index.json` of this format, a timm info file (`_info.json`) or `.tar` files; at an
+    fsspec URL, a folder holding `index.json`."""
     if "{" in source and ".." in source or source.endswith(".tar"):
         return True
     if stores.is_url(source):
         index = stores.join(source, INDEX)
         try:
-            return stores.exists(index) and json.loads(stores.read_text(index)).get("format") == FORMAT
+            return stores.exists(index) and _format_of(json.loads(stores.read_text(index))) is not None
         except (OSError, ValueError):
             return False
-    index = Path(source).expanduser() / INDEX
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        return False
+    return _vramfit_index(folder) is not None or _info_file(folder) is not None or \
+        any(f.suffix == ".tar" for f in folder.iterdir() if f.is_file())
+
+
+def _format_of(meta) -> dict | None:
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
+def _vramfit_index(folder: Path) -> dict | None:
+    index = folder / INDEX
     if not index.is_file():
-        return False
+        return None
     try:
-        return json.loads(index.read_text()).get("format") == FORMAT
+        return _format_of(json.loads(index.read_text()))
     except (OSError, ValueError):
-        return False
+        return None
+
+
+def _info_file(folder: Path) -> Path | None:
+    return next((folder / n for n in INFO_FILES if (folder / n).is_file()), None)
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -89,7 +108,8 @@ def expand_braces(pattern: str) -> list[str]:
 @dataclass(frozen=True)
 class Shard:
     path: str
-    samples: int
+    samples: int  # the samples a run uses: the shard's first `samples`
+    total: int | None = None  # what the shard holds, where a limit uses fewer (data.limit_*_samples)
 
 
 def _unreadable(path: str, why: str) -> VramfitError:
@@ -240,12 +260,13 @@ class IndexedSamples:
 
 
 def _checked_scan(shard: Shard) -> Iterator[int]:
-    n = 0
+    n, expect = 0, shard.samples if shard.total is None else shard.total
     for off in scan(shard.path):
+        if n < shard.samples:
+            yield off
         n += 1
-        yield off
-    if n != shard.samples:
-        raise _unreadable(shard.path, f"it holds {n} samples, its index says {shard.samples} (truncated?)")
+    if n != expect:
+        raise _unreadable(shard.path, f"it holds {n} samples, its index says {expect} (truncated?)")
 
 
 def process_totals(num_samples: int, global_batch: int, num_processes: int) -> list[list[int]]:
@@ -323,48 +344,222 @@ class ShardStepSampler:
 
 @dataclass
 class ShardIndex:
-    """What `index.json` says: class names and each split's shards with their sample counts."""
+    """The splits of some shards with their sample counts, and the class names."""
 
     root: Path | str  # a local folder, or the URL of a remote one
     class_names: list[str]
     splits: dict[str, list[Shard]]
 
 
+UNCOUNTED = -1  # a shard's count before `survey` (no index or info file gives it)
+
+
 def read_index(source: str) -> ShardIndex:
-    """The shards `--data` names: a folder with `index.json`, or a `.tar` / brace pattern whose
-    folder holds one (then the pattern picks the train shards, the index the rest). Local paths and
-    fsspec URLs alike (data.stores)."""
-    src = source if stores.is_url(source) else os.path.expanduser(source)
-    if stores.is_url(src):
-        folder: Path | str = src.rstrip("/") if stores.is_dir(src) else stores.parent(src)
+    """The shards `--data` names: a folder, or a `.tar` / brace pattern in one (the pattern picks the
+    train shards, the folder the other splits). Counts and class names come from vramfit's
+    `index.json`, else timm's info file (`_info.json`: each split's file names and shard lengths),
+    else from one scan of the shards' headers and labels (docs/data.md). At an fsspec URL
+    (data.stores), `index.json` only."""
+    if stores.is_url(source):
+        return _remote_index(source)
+    src = os.path.expanduser(source)
+    folder = Path(src) if Path(src).is_dir() else Path(src).parent
+    meta, info = _vramfit_index(folder), _info_file(folder)
+    if meta is not None:
+        splits, names, listed_in = _from_index(meta, str(folder)), meta.get("class_names"), str(folder / INDEX)
+    elif info is not None:
+        splits, names, listed_in = _from_info(info, folder), None, str(info)
     else:
-        folder = Path(src) if Path(src).is_dir() else Path(src).parent
-    index = stores.join(str(folder), INDEX)
-    if not stores.exists(index):
-        raise VramfitError(f"--data {source}: no {INDEX} next to the shards ({index}).",
-                           hint="write the shards with `vramfit prepare --data SRC --output DIR --format "
-                                "webdataset`, which writes the index (class names, shards, sample counts)")
-    try:
-        meta = json.loads(stores.read_text(index))
-        splits = {name: [Shard(stores.join(str(folder), s["name"]), int(s["samples"]))
-                         for s in part["shards"]]
-                  for name, part in meta["splits"].items()}
-        class_names = [str(c) for c in meta["class_names"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise VramfitError(f"{index} is not a shard index: {type(e).__name__}: {e}",
-                           hint="re-write it with `vramfit prepare --format webdataset`") from None
-    if not stores.is_dir(src):
-        wanted = {os.path.abspath(p) for p in expand_braces(src)}
-        known = {os.path.abspath(s.path): s for s in splits.get("train", [])}
-        missing = sorted(wanted - set(known))
-        if missing:
-            raise VramfitError(f"--data {source}: {missing[0]} is not a train shard of {index}.",
-                               hint=f"the index lists {len(known)} train shard(s)")
-        splits["train"] = [known[p] for p in sorted(wanted)]
+        splits, names, listed_in = _from_names(folder), None, None
+    if not Path(src).is_dir():
+        _pick_train(source, splits, listed_in)
     for shards in splits.values():
         for s in shards:
             _check_size(s)
-    return ShardIndex(folder, class_names, splits)
+    labels: dict[int, str | None] = {}
+    for name, shards in splits.items():
+        if any(s.samples == UNCOUNTED for s in shards) or names is None and name in VAL_SPLITS:
+            splits[name] = [_surveyed(s, labels) for s in shards]
+    if names is None:
+        names = _class_names(labels, folder)
+    return ShardIndex(folder, [str(c) for c in names], splits)
+
+
+def _from_index(meta: dict, folder: str) -> dict[str, list[Shard]]:
+    try:
+        return {name: [Shard(stores.join(folder, s["name"]), int(s["samples"])) for s in part["shards"]]
+                for name, part in meta["splits"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise VramfitError(f"{stores.join(folder, INDEX)} is not a shard index: {type(e).__name__}: {e}",
+                           hint="re-write it with `vramfit prepare --format webdataset`") from None
+
+
+def _remote_index(source: str) -> ShardIndex:
+    """Shards at an fsspec URL: a folder holding `index.json`, or a `.tar` / brace pattern beside one."""
+    folder = source.rstrip("/") if stores.is_dir(source) else stores.parent(source)
+    index = stores.join(folder, INDEX)
+    if not stores.exists(index):
+        raise VramfitError(f"--data {source}: no {INDEX} next to the shards ({index}).",
+                           hint="shards at a URL need their index: write them with `vramfit prepare --data "
+                                "SRC --output DIR --format webdataset` and copy DIR whole to the store")
+    try:
+        meta = _format_of(json.loads(stores.read_text(index)))
+    except (OSError, ValueError) as e:
+        raise VramfitError(f"{index} is not a shard index: {type(e).__name__}: {e}",
+                           hint="re-write it with `vramfit prepare --format webdataset`") from None
+    if meta is None or "class_names" not in meta:
+        raise VramfitError(f"{index} is not a vramfit shard index (no format/class_names).",
+                           hint="re-write it with `vramfit prepare --format webdataset`")
+    splits = _from_index(meta, folder)
+    if not stores.is_dir(source):
+        _pick_train(source, splits, index)
+    for shards in splits.values():
+        for s in shards:
+            _check_size(s)
+    return ShardIndex(folder, [str(c) for c in meta["class_names"]], splits)
+
+
+def _from_info(path: Path, folder: Path) -> dict[str, list[Shard]]:
+    """timm's info file (timm/data/readers/reader_wds.py): {"splits": {name: {"filenames": [...],
+    "shard_lengths": [...]}}}; a split without shard lengths is counted by a scan."""
+    import yaml
+
+    try:
+        text = path.read_text()
+        meta = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        splits = {}
+        for name, part in meta["splits"].items():
+            files = [f for pat in part["filenames"] for f in expand_braces(str(folder / pat))]
+            lengths = list(part.get("shard_lengths") or [UNCOUNTED] * len(files))
+            if len(lengths) != len(files):
+                raise ValueError(f"split {name}: {len(files)} files, {len(lengths)} shard_lengths")
+            splits[name] = [Shard(f, int(n)) for f, n in zip(files, lengths)]
+        return splits
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
+        raise VramfitError(f"{path} is not a shard info file: {type(e).__name__}: {e}",
+                           hint='it needs {"splits": {"train": {"filenames": [...], "shard_lengths": '
+                                '[...]}, "validation": {...}}}, as timm writes it; or remove it and the '
+                                "shards are counted by a scan") from None
+
+
+def _from_names(folder: Path) -> dict[str, list[Shard]]:
+    splits: dict[str, list[Shard]] = {}
+    for f in sorted(folder.glob("*.tar")):
+        splits.setdefault(split_of(PurePath(f.name)), []).append(Shard(str(f), UNCOUNTED))
+    return splits
+
+
+def _pick_train(source: str, splits: dict[str, list[Shard]], listed_in: str | None) -> None:
+    """The train shards a pattern names: those of the index / info file, or any without one."""
+    wanted = [_key(p) for p in expand_braces(source if stores.is_url(source) else os.path.expanduser(source))]
+    if listed_in is None:
+        for name in list(splits):
+            splits[name] = [s for s in splits[name] if _key(s.path) not in wanted]
+        splits["train"] = [Shard(p, UNCOUNTED) for p in sorted(wanted)]
+        return
+    known = {_key(s.path): s for s in splits.get("train", [])}
+    missing = sorted(set(wanted) - set(known))
+    if missing:
+        raise VramfitError(f"--data {source}: {missing[0]} is not a train shard of {listed_in}.",
+                           hint=f"it lists {len(known)} train shard(s)")
+    splits["train"] = [known[p] for p in sorted(wanted)]
+
+
+def _key(path: str) -> str:
+    return path if stores.is_url(path) else os.path.abspath(path)
+
+
+def survey(path: str) -> tuple[list[int | None], dict[int, str | None]]:
+    """Each sample's label in one shard (None: it has none), and the class name a `.json` label may
+    carry: its headers and label members are read, no image bytes."""
+    tar = _open(path)
+    labels: list[int | None] = []
+    names: dict[int, str | None] = {}
+    key = None
+    try:
+        while True:
+            try:
+                info = tar.next()
+                if info is None:
+                    return labels, names
+                tar.members = []  # as in `scan`: a long shard must not grow memory
+                if not info.isfile():
+                    continue
+                if _stem(info.name) != key:
+                    key = _stem(info.name)
+                    labels.append(None)
+                ext = os.path.splitext(info.name)[1].lower()
+                if ext in LABEL_EXTENSIONS:
+                    data = tar.extractfile(info).read()
+                    labels[-1] = label = _label(data, ext)
+                    names[label] = _class_name(data, ext) or names.get(label)
+            except (tarfile.TarError, OSError, EOFError, ValueError, KeyError, TypeError) as e:
+                raise _unreadable(path, f"{type(e).__name__}: {e}") from None
+    finally:
+        tar.close()
+
+
+def split_labels(samples: ShardSamples) -> list[int | None]:
+    """The labels of every sample of some shards, in position order (`IndexedSamples`'), read
+    without the images (an evaluation's targets)."""
+    return [label for shard in samples.shards for label in survey(shard.path)[0][:shard.samples]]
+
+
+def _class_name(data: bytes, ext: str) -> str | None:
+    obj = json.loads(data) if ext == ".json" else None
+    return next((str(obj[k]) for k in NAME_FIELDS if k in obj), None) if isinstance(obj, dict) else None
+
+
+def _surveyed(shard: Shard, names: dict[int, str | None]) -> Shard:
+    labels, found = survey(shard.path)
+    for label, name in found.items():
+        names[label] = name or names.get(label)
+    return shard if shard.samples != UNCOUNTED else Shard(shard.path, len(labels))
+
+
+def _class_names(labels: dict[int, str | None], folder: Path) -> list[str]:
+    """Classes 0..largest label, named by their `.json` class name where one was seen, else by number."""
+    if not labels or min(labels) < 0:
+        raise VramfitError(f"The shards of {folder} have no class labels"
+                           + (f" (label {min(labels)})" if labels else "") + ".",
+                           hint="each sample needs a .cls (an int from 0) or a .json with \"label\"; or "
+                                "list the names in index.json (`vramfit prepare --format webdataset`)")
+    return [labels.get(i) or str(i) for i in range(max(labels) + 1)]
+
+
+def limited(shards: list[Shard], limit: int | None, seed: int) -> list[Shard]:
+    """data.limit_*_samples on shards: the first `limit` samples of a seeded order of the shards
+    (whole shards and the first samples of one more), kept in file order: a fixed subset, like
+    every source's seeded subset, so the sampler's order and a resume are unchanged by it."""
+    if limit is None or limit >= sum(s.samples for s in shards):
+        return shards
+    order = np.random.default_rng(mix_seed(seed, "limit")).permutation(len(shards)).tolist()
+    keep, left = {}, limit
+    for i in order:
+        take = min(left, shards[i].samples)
+        keep[i] = shards[i] if take == shards[i].samples else Shard(shards[i].path, take, shards[i].samples)
+        left -= take
+        if not left:
+            break
+    return [keep[i] for i in sorted(keep)]
+
+
+def fixed_locations(samples: ShardSamples, count: int, seed: int) -> list[int]:
+    """`count` locations drawn once by `seed` over the whole split, in a seeded order (model.precise_bn):
+    the shards they fall in are scanned up to the last one drawn, so the same on every process."""
+    rng = np.random.default_rng(mix_seed(seed, "fixed"))
+    drawn = rng.choice(samples.num_samples, size=min(count, samples.num_samples), replace=False)
+    wanted = sorted(int(p) for p in drawn)
+    at: dict[int, int] = {}
+    start, k = 0, 0
+    for shard_no, shard in enumerate(samples.shards):
+        stop = start + shard.samples
+        if k < len(wanted) and wanted[k] < stop:
+            for pos, off in enumerate(samples.offsets(shard_no), start):
+                while k < len(wanted) and wanted[k] == pos:
+                    at[pos], k = shard_no * 2 ** SHARD_BITS + off, k + 1
+        start = stop
+    return [at[int(p)] for p in drawn]
 
 
 def _check_size(shard: Shard) -> None:

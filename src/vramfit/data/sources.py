@@ -25,9 +25,9 @@ from ..errors import VramfitError
 from .builtin import BUILTIN, cache_root, ensure_digits, local_source, shadow_note
 from .folders import ImageFolder, read_image_folder, walk
 from . import stores, tables
-from .shards import IndexedSamples, ShardSamples, is_shards, read_index
-from .schema import (HELD_OUT_SPLITS, SPLIT_NAMES, VAL_SPLITS, column, encode_labels, pick_image_column,
-                     pick_label_column, split_of)
+from .shards import IndexedSamples, ShardSamples, is_shards, limited, read_index
+from .schema import (HELD_OUT_SPLITS, SPLIT_NAMES, TRAIN_SPLITS, VAL_SPLITS, column, encode_labels,
+                     pick_image_column, pick_label_column, split_of)
 
 if TYPE_CHECKING:  # type names only; datasets is imported where it is used
     import datasets
@@ -98,25 +98,67 @@ def load_splits(cfg: DataConfig, *, apply_limits: bool = True) -> Splits:
 
 def _shard_splits(cfg: DataConfig) -> Splits:
     """Tar shards (data.shards): train read in place, in the order of its sampler; validation by
-    position, from one scan of its shards' headers."""
-    index = stores.within(cfg.read_timeout_s, f"reading the shard index of {cfg.source}", read_index,
-                          cfg.source)
-    if cfg.limit_train_samples or cfg.limit_val_samples:
-        raise VramfitError("data.limit_train_samples / data.limit_val_samples do not apply to tar shards.",
-                           hint="pass fewer shards (a shorter brace pattern) instead")
+    position, from one scan of its shards' headers. The limits take a seeded subset of shards."""
+    index, val_name = _shard_index(cfg)
+    notes = []
+    train = limited(index.splits["train"], cfg.limit_train_samples, cfg.split_seed)
+    val = limited(index.splits[val_name], cfg.limit_val_samples, cfg.split_seed)
+    for part, limit, whole, shards in (("train", cfg.limit_train_samples, "train", train),
+                                       ("val", cfg.limit_val_samples, val_name, val)):
+        total = sum(s.samples for s in index.splits[whole])
+        if limit is not None and limit < total:
+            notes.append(f"data.limit_{part}_samples: the first {limit} of {total} {part} samples in a "
+                         f"seeded order of the shards ({len(shards)} shard(s), data.split_seed "
+                         f"{cfg.split_seed})")
+    desc = f"tar shards {cfg.source} ({len(train)} train, {len(val)} {val_name})"
+    train_samples = ShardSamples(train, cfg.read_timeout_s)
+    val_samples = IndexedSamples(ShardSamples(val, cfg.read_timeout_s))
+    return Splits(train_samples, val_samples, index.class_names, "image", "label", desc, notes)
+
+
+def _read_shard_index(cfg: DataConfig):
+    """read_index under the read watch: at a URL, a stalled store ends the run rather than waits."""
+    return stores.within(cfg.read_timeout_s, f"reading the shard index of {cfg.source}", read_index,
+                         cfg.source)
+
+
+def _shard_val_name(cfg: DataConfig, index) -> str | None:
+    return cfg.val_split or next((s for s in VAL_SPLITS if index.splits.get(s)), None)
+
+
+def _shard_index(cfg: DataConfig):
+    """The shards' index and the name of their validation split (data.val_split, or the first of
+    VAL_SPLITS); shards are never held out at training time."""
+    index = _read_shard_index(cfg)
     if not index.splits.get("train"):
         raise VramfitError(f"The shards of {index.root} have no train split.",
-                           hint="write them with `vramfit prepare --format webdataset`")
-    val_name = cfg.val_split or next((s for s in VAL_SPLITS if index.splits.get(s)), None)
+                           hint="name the train shards (a brace pattern such as train-{000000..000127}.tar, "
+                                "or files named train-*.tar), or write them with `vramfit prepare --format "
+                                "webdataset`")
+    val_name = _shard_val_name(cfg, index)
     if val_name not in index.splits:
         raise VramfitError(f"The shards of {index.root} have no validation split"
                            + (f" `{val_name}`" if val_name else "") + ".",
-                           hint=f"splits: {', '.join(index.splits)}; shards are not held out at training "
-                                f"time: `vramfit prepare` writes val-*.tar")
-    train = ShardSamples(index.splits["train"], cfg.read_timeout_s)
-    val = IndexedSamples(ShardSamples(index.splits[val_name], cfg.read_timeout_s))
-    desc = f"tar shards {cfg.source} ({len(index.splits['train'])} train, {len(index.splits[val_name])} {val_name})"
-    return Splits(train, val, index.class_names, "image", "label", desc, [])
+                           hint=f"splits: {', '.join(index.splits)}; validation shards are the folder's "
+                                f"files named with a split word (val-000000.tar, "
+                                f"imagenet-validation-0000.tar) "
+                                f"or the info file's `validation` split; `vramfit prepare` writes val-*.tar")
+    return index, val_name
+
+
+def _shard_source(cfg: DataConfig) -> Source:
+    """Tar shards as a `Source` whose splits are read by position (scan-data, eval): every header of
+    each split is read once, no image bytes."""
+    index = _read_shard_index(cfg)
+    val_name = _shard_val_name(cfg, index)
+    if cfg.val_split and val_name not in index.splits:
+        raise VramfitError(f"data.val_split `{val_name}` is not a split of tar shards {cfg.source}.",
+                           hint=f"splits: {', '.join(index.splits)}")
+    parts = {k: IndexedSamples(ShardSamples(v, cfg.read_timeout_s)) for k, v in index.splits.items()}
+    train = parts.get("train") or IndexedSamples(ShardSamples([]))
+    held = [s for s in index.splits if s in HELD_OUT_SPLITS and s != val_name]
+    return Source(train, parts.get(val_name) if val_name else None, index.class_names, "image", "label",
+                  f"tar shards {cfg.source}", [], index.root, val_name, [], held)
 
 
 def _streamed_splits(cfg: DataConfig) -> Splits:
@@ -152,6 +194,8 @@ def load_source(cfg: DataConfig) -> Source:
     """Load any supported source, pick its splits and columns, and encode labels as ClassLabel."""
     import datasets
 
+    if is_shards(cfg.source):
+        return _shard_source(cfg)
     raw = _load_raw(cfg)
     desc, notes = raw.description, list(raw.notes)
     train_name, val_name, held_out = _pick_splits(cfg, list(raw.splits.keys()), desc, notes)

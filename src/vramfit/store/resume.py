@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config import Config, execution_settings, maths_settings
 from ..data.builtin import local_source
 from ..data.folders import walk
+from ..data.shards import is_shards
 from ..errors import VramfitError
 from ..train.state import TrainerState
 from . import checkpoint
@@ -59,6 +60,10 @@ def data_identity(source: str, skip: Path | None = None) -> str | None:
     vramfit wrote is not data), less `skip`: the run's own --output, whose checkpoints would
     otherwise change the data's identity at every save."""
     p = local_source(source)
+    if is_shards(source) and not Path(source).expanduser().is_dir():
+        # A brace pattern or one .tar: its folder's files (the shards, their index or info file),
+        # so a changed shard set is seen like a changed folder.
+        p = local_source(str(Path(source).expanduser().parent))
     if p is None:
         return None
     if p.is_file():

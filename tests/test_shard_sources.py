@@ -1,0 +1,171 @@
+"""Tar shards from other tools (no vramfit index: timm's `_info.json`, or counted by a scan), and the
+options and commands on shards: data.limit_*, model.precise_bn, scan-data, eval, a changed shard set."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+
+import pytest
+
+from helpers import last_weights, same_weights, tiny_args
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """digits as shards (5 train of 32, 2 val of 20), then made like another tool's: no index.json."""
+    from vramfit.cli import run
+
+    out = tmp_path_factory.mktemp("wds") / "digits-wds"
+    assert run(["prepare", "--data", "digits", "--output", str(out), "--format", "webdataset",
+                "--shard-samples", "32", "--set", "data.val_fraction=0.2",
+                "--set", "data.limit_train_samples=160", "--set", "data.limit_val_samples=40"]) == 0
+    (out / "index.json").unlink()
+    return out
+
+
+def _args(source, *extra):
+    args = tiny_args(*extra)
+    args[args.index("digits")] = str(source)
+    for key in ("data.limit_train_samples=480", "data.limit_val_samples=120"):
+        at = args.index(key)
+        del args[at - 1:at + 1]
+    return args
+
+
+def _copy(shards, tmp_path):
+    return shutil.copytree(shards, tmp_path / "copy")
+
+
+def test_an_index_less_brace_pattern_is_counted_by_a_scan_and_trains(shards, train_cli):
+    from vramfit.data.shards import read_index
+
+    pattern = str(shards / "train-{000000..000003}.tar")
+    index = read_index(pattern)
+    assert [s.samples for s in index.splits["train"]] == [32] * 4  # the fifth is not in the pattern
+    assert [s.samples for s in index.splits["val"]] == [32, 8]
+    assert index.class_names == [str(i) for i in range(10)]
+    run_dir, code = train_cli(*_args(pattern))
+    assert code == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 8  # 128 samples / 16
+
+
+def test_timms_info_file_gives_the_splits_and_counts(shards, tmp_path):
+    """timm's `_info.json` (reader_wds: split filenames + shard_lengths) is believed, not scanned: a
+    wrong length is found when the shard is read."""
+    from vramfit.config import DataConfig
+    from vramfit.data import load_splits
+    from vramfit.errors import VramfitError
+
+    data = _copy(shards, tmp_path)
+    info = {"name": "digits", "splits": {
+        "train": {"name": "train", "filenames": ["train-{000000..000004}.tar"], "shard_lengths": [32] * 5,
+                  "num_samples": 160},
+        "validation": {"name": "validation", "filenames": ["val-000000.tar", "val-000001.tar"],
+                       "shard_lengths": [32, 8], "num_samples": 40}}}
+    (data / "_info.json").write_text(json.dumps(info))
+    splits = load_splits(DataConfig(source=str(data)))
+    assert len(splits.train) == 160 and len(splits.val) == 40 and "1 validation" not in splits.description
+    info["splits"]["validation"]["shard_lengths"] = [32, 9]
+    (data / "_info.json").write_text(json.dumps(info))
+    with pytest.raises(VramfitError) as e:
+        load_splits(DataConfig(source=str(data)))
+    assert "val-000001.tar" in e.value.message and "9" in e.value.message
+
+
+def test_a_json_label_names_its_class_and_no_validation_shards_is_refused(tmp_path):
+    from vramfit.config import DataConfig
+    from vramfit.data import load_splits
+    from vramfit.errors import VramfitError
+
+    from PIL import Image
+
+    def write(path, labels):
+        with tarfile.open(path, "w") as tar:
+            for i, label in enumerate(labels):
+                png = io.BytesIO()
+                Image.new("RGB", (8, 8), (label * 40, 0, 0)).save(png, "PNG")
+                for ext, data in (("png", png.getvalue()),
+                                  ("json", json.dumps({"label": label, "class_name": f"c{label}"}).encode())):
+                    member = tarfile.TarInfo(f"{i:06d}.{ext}")
+                    member.size = len(data)
+                    tar.addfile(member, io.BytesIO(data))
+
+    write(tmp_path / "set-train-0.tar", [0, 1, 2, 1])
+    with pytest.raises(VramfitError) as e:
+        load_splits(DataConfig(source=str(tmp_path / "set-train-{0..0}.tar")))
+    assert "no validation split" in e.value.message and "val-000000.tar" in e.value.hint
+    write(tmp_path / "set-validation-0.tar", [2, 0])
+    splits = load_splits(DataConfig(source=str(tmp_path / "set-train-{0..0}.tar")))
+    assert splits.class_names == ["c0", "c1", "c2"] and len(splits.train) == 4 and len(splits.val) == 2
+    assert [splits.val[i]["label"] for i in range(2)] == [2, 0]
+
+
+def test_a_changed_shard_set_refuses_resume(shards, tmp_path, train_cli):
+    from vramfit.errors import VramfitError
+
+    data = _copy(shards, tmp_path)
+    args = _args(data / "train-{000000..000003}.tar", "--epochs", "2")
+    run_dir, code = train_cli(*args, "--set", "debug.signal_at_step=3")
+    assert code == 143
+    shutil.copy(data / "train-000004.tar", data / "train-000005.tar")  # the pattern's string is unchanged
+    with pytest.raises(VramfitError, match=r"data.listing: '7 files, \w+' -> '8 files, \w+'"):
+        train_cli(*args)
+    (data / "train-000005.tar").unlink()
+    run_dir, code = train_cli(*args)
+    assert code == 0
+
+
+def test_limits_give_their_count_and_a_resume_is_bitwise(shards, train_cli):
+    from vramfit.config import DataConfig
+    from vramfit.data import load_splits
+
+    cfg = DataConfig(source=str(shards), limit_train_samples=70, limit_val_samples=25)
+    splits = load_splits(cfg)
+    assert len(splits.train) == 70 and len(splits.val) == 25
+    assert sorted(s.samples for s in splits.train.shards) == [6, 32, 32]
+    again = load_splits(cfg)
+    assert again.train.shards == splits.train.shards  # a fixed subset (data.split_seed)
+    seeded = load_splits(cfg.model_copy(update={"split_seed": 1}))
+    assert seeded.train.shards != splits.train.shards
+    limits = ("--set", "data.limit_train_samples=70", "--set", "data.limit_val_samples=25")
+    full, code = train_cli(*_args(shards, *limits), run_name="full")
+    assert code == 0 and json.loads((full / "summary.json").read_text())["global_step"] == 5
+    part, code = train_cli(*_args(shards, *limits, "--set", "debug.signal_at_step=2"), run_name="part")
+    assert code == 143
+    part, code = train_cli(*_args(shards, *limits), run_name="part")
+    assert code == 0
+    assert same_weights(last_weights(full), last_weights(part))
+
+
+def test_precise_bn_on_shards_draws_fixed_locations(shards, train_cli):
+    from vramfit.data.shards import ShardSamples, fixed_locations, read_index
+
+    samples = ShardSamples(read_index(str(shards)).splits["train"])
+    locs = fixed_locations(samples, 40, seed=0)
+    assert locs == fixed_locations(samples, 40, seed=0) != fixed_locations(samples, 40, seed=1)
+    assert len(set(locs)) == 40 and all(samples[loc]["image"]["bytes"] for loc in locs[:5])
+    assert len({loc >> 40 for loc in locs}) > 2  # drawn over the split, not from one shard
+    run_dir, code = train_cli(*_args(shards, "--set", "model.precise_bn=40"))
+    assert code == 0
+
+
+def test_scan_data_and_eval_read_shards(shards, tmp_path, train_cli, capsys):
+    from vramfit.cli import run
+
+    assert run(["scan-data", "--data", str(shards)]) == 0
+    said = capsys.readouterr().out
+    assert "200 images (train 160 / val 40)" in said
+    run_dir, code = train_cli(*_args(shards))
+    assert code == 0
+    assert run(["eval", "--run", str(run_dir)]) == 0
+    report = json.loads((run_dir / "eval-val.json").read_text())
+    assert report["samples"] == 40
+    best = json.loads((run_dir / "summary.json").read_text())["final_accuracy"]
+    assert abs(report["top1"] - best) < 1e-6
+    with pytest.raises(Exception) as e:
+        run(["eval", "--run", str(run_dir), "--split", "test"])
+    assert "not a split" in str(e.value)
