@@ -14,9 +14,17 @@ Cases, all generated here (smooth gradients + texture + noise: JPEG sizes like p
   (c) the (b) files after `vramfit prepare --max-side 320`, against the baseline on (b).
 Targets: (a) >= 1.1x, (b) >= 3x, (c) >= 10x.
 
+Streamed (--streamed 2000,8000): at each size, 320x240 JPEGs (what `prepare --max-side 320` keeps)
+written as tar shards (`prepare --format webdataset`, 256 samples a shard) and read in place
+(ShardSamples + ShardStepSampler, data.shards) through the same loader as "ours" on the folder
+(the map-style path): images/s of each, the ratio (target >= 0.9x), and the host RSS of the
+streamed loader (main process + workers, the most seen over the timed epochs), which must not grow
+with the size.
+
     python bench/data_throughput.py                       # ~2 minutes on 2 CPU cores
     python bench/data_throughput.py --small 2000 --large 300 --workers 8 --epochs 2
     python bench/data_throughput.py --drafts             # decode cost per JPEG draft size
+    python bench/data_throughput.py --cases s --streamed 2000,8000   # tar shards against map-style
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from PIL import Image
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 TARGETS = {"a": 1.1, "b": 3.0, "c": 10.0}
+STREAMED_TARGET = 0.9
 
 
 def photo_like(w: int, h: int, seed: int, noise: int, quality: int = 90) -> bytes:
@@ -127,6 +136,88 @@ def ours(source: Path, args, device_type: str) -> float:
     return ips
 
 
+def time_and_rss(loader, epochs: int, set_epoch) -> tuple[float, float]:
+    """(images/s, the most host RSS seen) over `epochs` epochs after a few untimed batches."""
+    import psutil
+
+    set_epoch(0)
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    workers = [psutil.Process(w.pid) for w in getattr(iterator, "_workers", [])]
+    most, n_img, elapsed = 0.0, 0, 0.0
+    for epoch in range(1, epochs + 1):
+        set_epoch(epoch)
+        t0 = time.perf_counter()
+        for k, batch in enumerate(loader):
+            n_img += batch.images.shape[0]
+            if k % 8 == 0:
+                most = max(most, sum(p.memory_info().rss for p in [psutil.Process(), *workers]) / 2**20)
+        elapsed += time.perf_counter() - t0
+    return n_img / elapsed, most
+
+
+def streamed(folder: Path, shards: Path, args) -> tuple[float, float, float, float]:
+    """(streamed images/s, map-style images/s, streamed loader RSS MB, map-style RSS MB): the same
+    dataset class, transform and loader settings, only the samples' source and order differ."""
+    from vramfit import data as D
+    from vramfit.config import DataConfig
+    from vramfit.data.shards import ShardStepSampler
+
+    out = []
+    for source in (shards, folder):
+        cfg = DataConfig(source=str(source), image_size=args.image_size, num_workers=args.workers)
+        src = D.load_splits(cfg) if source == shards else D.load_source(cfg)
+        train_tf, _ = D.build_transforms(cfg, data_cfg_at(args.image_size), "cuda")
+        ds = D.ImageDataset(src.train, src.image_column, src.label_column, train_tf, args.image_size, 0, True,
+                            device_jitter=D.device_jitter(cfg, "cuda"))
+        if source == shards:
+            sampler = ShardStepSampler(src.train, args.batch, 0, 1, seed=0, buffer=cfg.shuffle_buffer,
+                                       partitions=cfg.shard_partitions)
+        else:
+            sampler = D.StepBatchSampler(len(ds), args.batch, 0, 1, seed=0)
+        loader = D.make_loader(ds, batch_sampler=sampler, workers=args.workers)
+        out.append(time_and_rss(loader, args.epochs, sampler.set_epoch))
+        del loader
+    (s_ips, s_rss), (m_ips, m_rss) = out
+    return s_ips, m_ips, s_rss, m_rss
+
+
+def streamed_cases(work: Path, args) -> bool:
+    """The streamed case at each size of --streamed; True where every target holds."""
+    from vramfit.commands.prepare import prepare_shards
+    from vramfit.config import DataConfig
+
+    sizes = [int(x) for x in args.streamed.split(",")]
+    gen_workers = max(1, len(os.sched_getaffinity(0)))
+    rows = []
+    for n in sizes:
+        folder, shards = work / f"s{n}", work / f"s{n}-wds"
+        if not folder.exists():
+            make_folder(folder, n, (320, 240), 10, args.noise, gen_workers)
+        if not shards.exists():
+            prepare_shards(DataConfig(source=str(folder)), str(shards), shard_samples=256,
+                           log=open(os.devnull, "w"))
+        best = (0.0, 0.0, 0.0, 0.0)
+        for _ in range(args.repeats):
+            got = streamed(folder, shards, args)
+            best = (max(best[0], got[0]), max(best[1], got[1]), got[2], got[3])
+        rows.append((n, *best))
+        print(f"  streamed {n}: {best[0]:.1f} images/s, map-style {best[1]:.1f}", flush=True)
+    print(f"\nstreamed tar shards against map-style (the folder), images/s (best of {args.repeats}), "
+          f"{args.workers} workers, batch {args.batch}, {args.image_size} px, 320x240 JPEGs")
+    print(f"{'images':>8}{'streamed':>10}{'map-style':>11}{'ratio':>8}{'RSS streamed':>14}{'RSS map':>9}")
+    ok = True
+    for n, s_ips, m_ips, s_rss, m_rss in rows:
+        r = s_ips / m_ips
+        ok &= r >= STREAMED_TARGET
+        print(f"{n:>8}{s_ips:>10.1f}{m_ips:>11.1f}{r:>7.2f}x{s_rss:>12.0f} MB{m_rss:>6.0f} MB "
+              f"{'ok' if r >= STREAMED_TARGET else 'MISSED'} (target {STREAMED_TARGET}x)")
+    grew = rows[-1][3] - rows[0][3]
+    print(f"streamed RSS from {rows[0][0]} to {rows[-1][0]} images: {grew:+.0f} MB (main + workers)")
+    return ok
+
+
 def device_stage(args) -> tuple[str, float]:
     """(device, ms per batch) of what the training process does to a loader batch before the model:
     move, normalise and colour-jitter it (vramfit.data.augment, the default 0.4)."""
@@ -202,7 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--noise", type=int, default=12, help="+-noise per pixel (sets the JPEG size)")
     ap.add_argument("--max-side", type=int, default=320, help="prepare's --max-side for case (c)")
     ap.add_argument("--workdir", help="keep the generated files here (default: a temporary folder)")
-    ap.add_argument("--cases", default="abc")
+    ap.add_argument("--cases", default="abc", help="any of a, b, c and s (streamed: --streamed)")
+    ap.add_argument("--streamed", default="2000,8000", help="dataset sizes of the streamed case (s)")
     ap.add_argument("--drafts", action="store_true", help="only print the draft-size table (docs/data.md)")
     args = ap.parse_args(argv)
     if args.drafts:
@@ -253,10 +345,14 @@ def main(argv=None) -> int:
                 old = best.get(case, (name, 0.0, 0.0, 0.0))
                 best[case] = (name, *(max(x, y) for x, y in zip(old[1:], got)))
         results = [(case, *best[case]) for case, *_ in cases]
+        streamed_ok = streamed_cases(work, args) if "s" in args.cases else True
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
 
+    if not results:
+        print(f"total {time.time() - t_start:.0f} s")
+        return 0 if streamed_ok else 1
     print(f"\nimages/s (best of {args.repeats}), {args.workers} workers, batch {args.batch}, "
           f"{args.image_size} px, {args.epochs} timed epoch(s); ratio = ours / torchvision")
     print(f"{'case':<24}{'ours':>8}{'ours-cj':>9}{'torchvision':>13}{'ratio':>8}{'ratio-cj':>10}{'target':>8}")
@@ -273,7 +369,7 @@ def main(argv=None) -> int:
           f"{args.batch} ({ms / args.batch * 1e3:.0f} us an image)"
           + (" -- a CPU run keeps the jitter in the workers (ours-cj)" if device == "cpu" else ""))
     print(f"total {time.time() - t_start:.0f} s")
-    return 0 if ok else 1
+    return 0 if ok and streamed_ok else 1
 
 
 if __name__ == "__main__":

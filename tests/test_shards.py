@@ -84,14 +84,50 @@ def test_every_process_reads_its_own_share_and_an_epoch_sees_each_sample_once(sh
     for world in (1, 2, 3):
         ids, per_step = [], []
         for rank in range(world):
-            sampler = ShardStepSampler(samples, batch, rank, world, seed=0, buffer=20)
+            sampler = ShardStepSampler(samples, batch, rank, world, seed=0, buffer=20, partitions=6)
             shares = list(sampler)
             assert len(shares) == steps
             per_step.append([len([k for k in s if k[0] >= 0]) for s in shares])
             ids += [k[0] for s in shares for k in s if k[0] >= 0]
         assert len(ids) == len(set(ids)) == expect
         for t in range(steps):
-            assert [p[t] for p in per_step] == batching.rank_shares(min(batch, n - t * batch), world)
+            assert [p[t] for p in per_step] == batching.rank_shares(min(batch, n - t * batch), world, 6)
+            assert [p[t] for p in per_step] == sampler.shares(min(batch, n - t * batch))
+            assert 1 not in [p[t] for p in per_step]
+
+
+@pytest.mark.parametrize("n,batch,partitions", [(160, 16, 8), (157, 16, 8), (150, 32, 4), (45, 64, 8)])
+def test_every_step_holds_the_same_samples_at_1_2_and_4_processes(shards, n, batch, partitions):
+    """MosaicML's canonical nodes: the order is cut into fixed partitions, each process reads a
+    block of them, so the steps (concatenated over the ranks) do not depend on the process count;
+    a full step is shared evenly."""
+    from vramfit import batching
+    from vramfit.data.shards import ShardSamples, ShardStepSampler, read_index
+
+    samples = ShardSamples(read_index(str(shards)).splits["train"])
+    samples.num_samples = n
+
+    def steps(world, epoch=1, start=0):
+        per_rank = []
+        for rank in range(world):
+            s = ShardStepSampler(samples, batch, rank, world, seed=3, buffer=24, partitions=partitions)
+            s.set_epoch(epoch, start)
+            per_rank.append([[k[0] for k in share if k[0] >= 0] for share in s])
+        return [sum((r[t] for r in per_rank), []) for t in range(len(per_rank[0]))], per_rank
+
+    one, _ = steps(1)
+    for world in (2, 4):
+        many, per_rank = steps(world)
+        assert many == one
+        full = batch // world
+        assert all(len(r[t]) == full for r in per_rank for t in range(n // batch))
+        assert steps(world, start=2)[0] == one[2:]  # a resume at another count continues alike
+    assert sorted(sum(one, [])) == sorted(set(sum(one, []))) and len(sum(one, [])) == n - (n % batch == 1)
+    assert steps(1, epoch=2)[0] != one
+    with pytest.raises(Exception) as e:
+        ShardStepSampler(samples, batch, 0, 3, seed=3, buffer=24, partitions=partitions)
+    assert "shard_partitions" in str(e.value) and e.value.hint
+    assert batching.rank_shares(batch, 2, partitions) == [batch // 2] * 2
 
 
 def test_the_order_is_a_function_of_seed_and_epoch_and_a_resume_skips_by_count(shards):

@@ -45,13 +45,57 @@ def steps_per_epoch(num_samples: int, global_batch: int) -> int:
     return full + (1 if rest >= 2 else 0)
 
 
-def rank_shares(step_samples: int, num_processes: int) -> list[int]:
+def rank_shares(step_samples: int, num_processes: int, partitions: int | None = None) -> list[int]:
     """Samples each process takes from one optimizer batch of `step_samples`: near-equal, and never
     exactly one while the batch has two or more (a short final batch with fewer than two samples a
-    process goes to fewer processes; the others take none and add nothing to the gradient sums)."""
+    process goes to fewer processes; the others take none and add nothing to the gradient sums).
+    With `partitions` (tar shards: data.shards), each process takes what its contiguous block of
+    the fixed partitions gives the step (`partition_shares`), so the step's samples are the same
+    at every process count that divides them."""
+    if partitions is not None:
+        per = check_partitions(partitions, num_processes)
+        shares = partition_shares(step_samples, partitions)
+        return [sum(shares[r * per:(r + 1) * per]) for r in range(num_processes)]
     takers = max(1, min(num_processes, step_samples // 2))
     per, extra = divmod(step_samples, takers)
     return [(per + (1 if r < extra else 0)) if r < takers else 0 for r in range(num_processes)]
+
+
+def check_partitions(partitions: int, num_processes: int) -> int:
+    """The partitions each process holds (tar shards' `data.shard_partitions`), checked to divide."""
+    if partitions % num_processes:
+        more = partitions * num_processes // math.gcd(partitions, num_processes)
+        raise VramfitError(
+            f"data.shard_partitions {partitions} does not divide over {num_processes} processes: the order "
+            "of tar shards is cut into that many fixed partitions, a whole number of them per process.",
+            hint=f"--set data.shard_partitions={more} (a multiple of the process count; it changes the "
+                 "sample order, so it is a new run), or launch a number of processes that divides "
+                 f"{partitions}")
+    return partitions // num_processes
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 in bit-reversed order (the numbers past n skipped): its first k entries fall evenly,
+    within one, into the aligned halves, quarters, ... of 0..n-1 (exactly so where n is a power of
+    two), so what goes to the first k goes to every process's block alike."""
+    bits = max(1, (n - 1).bit_length())
+    return [r for r in (int(format(i, f"0{bits}b")[::-1], 2) for i in range(2 ** bits)) if r < n]
+
+
+def partition_shares(step_samples: int, partitions: int) -> list[int]:
+    """Samples each fixed partition gives one optimizer batch of `step_samples`: the rule of
+    `rank_shares` (near-equal, never exactly one, so a process's block never sums to one either),
+    with the takers and the extra samples placed in `spread_order`. Where every partition takes two
+    or more (a full batch of at least twice as many samples as partitions) each process's block
+    then sums to the count `rank_shares` gives it, within one; a smaller batch (an epoch's short
+    last one) is shared in pairs, a little less evenly. The step reads the counts from here too
+    (train.step), so it splits every process's real share."""
+    takers = max(1, min(partitions, step_samples // 2))
+    per, extra = divmod(step_samples, takers)
+    shares = [0] * partitions
+    for k, c in enumerate(spread_order(partitions)[:takers]):
+        shares[c] = per + (1 if k < extra else 0)
+    return shares
 
 
 def rank_slice(batch: list, rank: int, num_processes: int) -> list:

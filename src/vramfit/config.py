@@ -140,13 +140,19 @@ class DataConfig(Section):
     # Train at smaller sizes early (ProgressiveResize; `true` or `{}`: Composer's defaults);
     # evaluation stays at image_size. None: off.
     progressive_resize: ProgressiveResize | None = None
-    # Tar shards (data.shards): locations (not images: ~50 bytes each) in each process's shuffle
-    # buffer. Larger mixes samples across more shards; it changes the order, so the run.
+    # Tar shards (data.shards): locations (not images: ~50 bytes each) in the shuffle buffers of
+    # the partitions together (each holds shuffle_buffer // shard_partitions; a process, those of
+    # its partitions). Larger mixes samples across more shards; it changes the order, so the run.
     shuffle_buffer: int = Field(16384, ge=1)
     # Parquet / arrow files or a Hub dataset read in place (data.tables) in the tar shards' order
     # (shuffle_buffer) instead of loaded whole; a source without a validation split is refused. It
     # changes the order of the samples, so the run.
     streaming: bool = False
+    # Tar shards: the fixed partitions of each epoch's order (data.shards), shared out over the
+    # processes, so the order is the same at every process count that divides it. 8: one to eight
+    # processes, a few shards open per process; a run on more (several machines) sets a multiple of
+    # its process count (64 for 2-8 machines of 8). It changes the order, so the run.
+    shard_partitions: int = Field(8, ge=1)
     # Seconds a loader worker may take over one batch before the run says the stream stalled
     # (a hung network file system) instead of waiting for ever.
     read_timeout_s: float = Field(600.0, gt=0.0)

@@ -15,7 +15,7 @@
 from .folders import IMAGE_EXTENSIONS, is_image_file
 from .loader import (NO_JITTER, TRAIN_DRAFT_FACTOR, Batch, CheckedLoader, ImageDataset, Loaders, Note,
                      Sample, build_loaders, build_transforms, check_batch_shape, collate, color_jitter_on,
-                     device_jitter, draft_size, jitter_params, make_loader, normalizer)
+                     device_jitter, draft_size, jitter_params, make_loader, normalizer, step_partitions)
 from .ordering import NO_SAMPLE, SeededRNG, StepBatchSampler, mix_seed
 from .schema import HELD_OUT_SPLITS, IMAGE_COLUMNS, LABEL_COLUMNS, TRAIN_SPLITS, VAL_SPLITS
 from .sources import Source, Splits, load_eval_split, load_source, load_splits
@@ -25,7 +25,7 @@ __all__ = [
     "IMAGE_EXTENSIONS", "is_image_file",
     "NO_JITTER", "TRAIN_DRAFT_FACTOR", "Batch", "CheckedLoader", "ImageDataset", "Loaders", "Note", "Sample",
     "build_loaders", "build_transforms", "check_batch_shape", "collate", "color_jitter_on", "device_jitter",
-    "draft_size", "jitter_params", "make_loader", "normalizer",
+    "draft_size", "jitter_params", "make_loader", "normalizer", "step_partitions",
     "NO_SAMPLE", "SeededRNG", "StepBatchSampler", "mix_seed",
     "HELD_OUT_SPLITS", "IMAGE_COLUMNS", "LABEL_COLUMNS", "TRAIN_SPLITS", "VAL_SPLITS",
     "Source", "Splits", "load_eval_split", "load_source", "load_splits",

@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple
 import torch
 from PIL import Image
 
+from .. import batching
 from ..config import Config, DataConfig
 from ..errors import VramfitError
 from .decode import BadImage, decode_with_size, describe, quiet_bomb_warnings
@@ -386,12 +387,22 @@ def seconds_per_sample(ds: ImageDataset, sampler: StepBatchSampler, budget: floa
     return (time.perf_counter() - t0) / max(1, n)
 
 
+def step_partitions(cfg: Config, splits: Splits, world: int) -> int | None:
+    """The fixed partitions a step's samples are dealt from (tar shards: data.shard_partitions,
+    checked to divide over the processes before the model is built), or None (`rank_shares`)."""
+    if not isinstance(splits.train, ShardSamples):
+        return None
+    batching.check_partitions(cfg.data.shard_partitions, world)
+    return cfg.data.shard_partitions
+
+
 def train_sampler(cfg: Config, splits: Splits, rank: int, world: int, size_at=None):
     """The order of a run's training samples: tar shards have their own (data.shards), every
     other source the global permutation of `StepBatchSampler`."""
     if isinstance(splits.train, ShardSamples):
         return ShardStepSampler(splits.train, cfg.train.global_batch, rank, world, cfg.train.seed,
-                                cfg.data.shuffle_buffer, size_at=size_at)
+                                cfg.data.shuffle_buffer, size_at=size_at,
+                                partitions=cfg.data.shard_partitions)
     return StepBatchSampler(len(splits.train), cfg.train.global_batch, rank, world, cfg.train.seed,
                             size_at=size_at)
 

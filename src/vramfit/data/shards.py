@@ -4,13 +4,17 @@ A sample is the run of consecutive tar members sharing a key (`00000042.jpg`, `0
 WebDataset writes them. A sample is named by its *location*: shard number x 2**40 + the byte offset
 of its first header, so a loader worker reads it with one seek, whatever worker it lands in.
 
-The order of an epoch (a pure function of (seed, epoch, process count), docs/data.md):
+The order of an epoch (a pure function of (seed, epoch), the same at every process count that
+divides `data.shard_partitions`; docs/data.md; MosaicML Streaming's "canonical nodes" do the same):
 1. the train shards are permuted by (seed, epoch);
-2. their samples, concatenated in that order, are cut into one contiguous range per process, sized
-   so that each process holds exactly its share (`batching.rank_slice`) of every optimizer step:
-   each sample is seen once an epoch, except a last step of one sample, dropped as for every source;
-3. each process reads the tar headers of its range (no image bytes) through a shuffle buffer of
-   `data.shuffle_buffer` locations seeded by (seed, epoch, rank), and cuts the result into steps.
+2. their samples, concatenated in that order, are cut into C = `data.shard_partitions` contiguous
+   partitions, each sized to what it gives the epoch's steps (`batching.partition_shares`): each
+   sample is seen once an epoch, except a last step of one sample, dropped as for every source;
+3. each partition is read (its tar headers, no image bytes) through its own shuffle buffer of
+   `data.shuffle_buffer // C` locations seeded by (seed, epoch, partition), and step t takes from
+   each partition its share of the step;
+4. each of P processes reads a contiguous block of C / P partitions: its share of a step is its
+   partitions' part of it, so the steps, and the samples of each, are the same at any such P.
 The buffer holds locations, not images, so host memory stays bounded by it and the workers'
 prefetch. A resume re-reads the headers of the steps already trained and skips them by count: the
 same samples in the same order, and the same augmentation (seeded by (seed, epoch, location)).
@@ -269,11 +273,14 @@ def _checked_scan(shard: Shard) -> Iterator[int]:
         raise _unreadable(shard.path, f"it holds {n} samples, its index says {expect} (truncated?)")
 
 
-def process_totals(num_samples: int, global_batch: int, num_processes: int) -> list[list[int]]:
-    """Per optimizer step of an epoch, each process's number of samples (`batching.rank_shares`)."""
-    steps = batching.steps_per_epoch(num_samples, global_batch)
-    return [batching.rank_shares(min(global_batch, num_samples - t * global_batch), num_processes)
-            for t in range(steps)]
+def partition_sizes(num_samples: int, global_batch: int, partitions: int) -> list[int]:
+    """Each fixed partition's samples in an epoch: what it gives the epoch's steps
+    (`batching.partition_shares`), so that each partition is used up exactly at the epoch's end."""
+    full, rest = divmod(num_samples, global_batch)
+    sizes = [full * q for q in batching.partition_shares(global_batch, partitions)]
+    if batching.steps_per_epoch(num_samples, global_batch) > full:
+        sizes = [a + b for a, b in zip(sizes, batching.partition_shares(rest, partitions))]
+    return sizes
 
 
 def buffered(stream: Iterator[int], size: int, rng: random.Random) -> Iterator[int]:
@@ -292,13 +299,16 @@ def buffered(stream: Iterator[int], size: int, rng: random.Random) -> Iterator[i
 
 
 class ShardStepSampler:
-    """`StepBatchSampler`'s contract (set_epoch, len, shares of (location, epoch, step_samples[,
-    size]) keys) for tar shards, in the order the module docstring describes."""
+    """`StepBatchSampler`'s contract (set_epoch, len, shares, shares of (location, epoch,
+    step_samples[, size]) keys) for tar shards, in the order the module docstring describes."""
 
     def __init__(self, samples: ShardSamples, global_batch: int, rank: int, num_processes: int,
-                 seed: int, buffer: int, size_at: Callable[[int], int] | None = None):
+                 seed: int, buffer: int, size_at: Callable[[int], int] | None = None, partitions: int = 8):
         self.samples, self.global_batch, self.seed, self.buffer = samples, global_batch, seed, buffer
         self.rank, self.num_processes, self.size_at = rank, num_processes, size_at
+        self.partitions = partitions
+        per = batching.check_partitions(partitions, num_processes)
+        self.mine = range(rank * per, (rank + 1) * per)  # this process's block of partitions
         self.n = len(samples)
         self.epoch, self.start_step = 0, 0
 
@@ -307,6 +317,10 @@ class ShardStepSampler:
 
     def __len__(self) -> int:
         return batching.steps_per_epoch(self.n, self.global_batch) - self.start_step
+
+    def shares(self, step_samples: int) -> list[int]:
+        """Each process's samples of a step of `step_samples` (what train.step splits)."""
+        return batching.rank_shares(step_samples, self.num_processes, self.partitions)
 
     def shard_order(self, epoch: int) -> list[int]:
         return np.random.default_rng(mix_seed(self.seed, epoch, "shards")).permutation(
@@ -326,19 +340,25 @@ class ShardStepSampler:
             if pos >= stop:
                 return
 
+    def partition(self, epoch: int, c: int, start: int, size: int) -> Iterator[int]:
+        """Partition `c` of the epoch: its range of the shard order through its own buffer, seeded
+        by (seed, epoch, partition), so no process count enters its order."""
+        rng = random.Random(mix_seed(self.seed, epoch, c, "partition"))
+        size_of_buffer = max(1, self.buffer // self.partitions)
+        return buffered(self.locations(epoch, start, start + size), size_of_buffer, rng)
+
     def __iter__(self):
-        shares = process_totals(self.n, self.global_batch, self.num_processes)
-        per_epoch = len(shares)
-        start = sum(sum(s[:self.rank]) for s in shares)
-        mine = sum(s[self.rank] for s in shares)
-        rng = random.Random(mix_seed(self.seed, self.epoch, self.rank, "buffer"))
-        stream = buffered(self.locations(self.epoch, start, start + mine), self.buffer, rng)
-        for step, s in enumerate(shares):
-            locs = [next(stream) for _ in range(s[self.rank])]
+        per_epoch = batching.steps_per_epoch(self.n, self.global_batch)
+        sizes = partition_sizes(self.n, self.global_batch, self.partitions)
+        starts = [sum(sizes[:c]) for c in range(self.partitions)]
+        streams = {c: self.partition(self.epoch, c, starts[c], sizes[c]) for c in self.mine}
+        for step in range(per_epoch):
+            n = min(self.global_batch, self.n - step * self.global_batch)
+            takes = batching.partition_shares(n, self.partitions)
+            locs = [next(streams[c]) for c in self.mine for _ in range(takes[c])]
             if step < self.start_step:
                 continue  # read, not yielded: a resume continues at the same position
             size = () if self.size_at is None else (self.size_at(self.epoch * per_epoch + step),)
-            n = sum(s)
             yield [(loc, self.epoch, n, *size) for loc in locs] or [(NO_SAMPLE, self.epoch, n, *size)]
 
 

@@ -164,14 +164,15 @@ class Run(Training):
 
 def build(cfg: Config, L: Launch, paths: RunPaths, start: Start | None = None) -> Run:
     """Everything a run needs, in order: data, model and optimizer, micro-batch, state, step, loaders."""
-    from ..data import build_loaders
+    from ..data import build_loaders, step_partitions
     from ..data.augment import DeviceAugment
     from .faults import Faults
     from .validation import EvalState
 
     start = start or Start()
     splits, steps_per_epoch = load_data(cfg, L, start.point)
-    t = build_training(cfg, L, splits.class_names, steps_per_epoch, start)
+    partitions = step_partitions(cfg, splits, L.world)
+    t = build_training(cfg, L, splits.class_names, steps_per_epoch, start, partitions=partitions)
     faults = Faults(cfg.debug, L.rank)
     faults.install(t.model, t.step)
     eval_batch = batching.eval_batch(cfg.train.eval_batch, t.micro)
@@ -184,7 +185,7 @@ def build(cfg: Config, L: Launch, paths: RunPaths, start: Start | None = None) -
 
 
 def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epoch: int,
-                   start: Start | None = None) -> Training:
+                   start: Start | None = None, partitions: int | None = None) -> Training:
     """The model, optimizer, schedule, EMA, a micro-batch plan per phase, state and step, without
     any data (the benches feed it synthetic batches)."""
     from .phases import enter, phase_at, phases_of
@@ -205,7 +206,7 @@ def build_training(cfg: Config, L: Launch, class_names: list[str], steps_per_epo
     step = TrainStep(L.acc, model, optimizer, state.in_effect, maths=step_maths(cfg.train),
                      check_grad_norm=not L.precision.scales_loss, recomputes=cfg.model.grad_checkpointing,
                      min_micro_batch=plan.min_micro_batch,
-                     bn_momentum_per_step=cfg.model.bn_momentum_per == "step")
+                     bn_momentum_per_step=cfg.model.bn_momentum_per == "step", partitions=partitions)
     notes = [*(p.note for p in phases if p.note), *training_notes(cfg, L, len(class_names), optimizer, plans)]
     return Training(cfg, L, class_names, steps_per_epoch, model, data_cfg, optimizer, scheduler, ema, plan,
                     state, step, seconds, phases, plans, notes, phase_peaks={}, fit=None,

@@ -165,8 +165,11 @@ class TrainStep:
     def __init__(self, accelerator, model, optimizer, micro_batch: int | batching.InEffect, *, label_smoothing: float = 0.0,
                  clip_grad_norm: float | None = None, check_grad_norm: bool = True, oom_retries: int = 0,
                  recomputes: bool = False, maths: StepMaths | None = None, min_micro_batch: int = 1,
-                 bn_momentum_per_step: bool = False):
+                 bn_momentum_per_step: bool = False, partitions: int | None = None):
         self.acc, self.model, self.optimizer = accelerator, model, optimizer
+        # Tar shards' fixed partitions (data.shard_partitions): each process's share of a step is
+        # what its partitions give it (batching.rank_shares), as the sampler dealt it.
+        self.partitions = partitions
         self.device = accelerator.device
         self.fsdp = is_fsdp(model)
         self._collect_params()
@@ -200,7 +203,7 @@ class TrainStep:
     def __call__(self, images, labels, step_samples: int, *, stop_requested: Callable[[], int] | None = None,
                  bad_files: int = 0, loss_fn: Callable | None = None) -> StepResult:
         maths = self.maths if loss_fn is None else replace(self.maths, loss_fn=loss_fn)
-        shares = batching.rank_shares(step_samples, world_size())
+        shares = batching.rank_shares(step_samples, world_size(), self.partitions)
         if self.fsdp:
             return self._fsdp_step(images, labels, step_samples, shares, stop_requested, bad_files, maths)
         undo = _Undo(self.model, self.device)
@@ -228,7 +231,7 @@ class TrainStep:
         update: gradients, BatchNorm statistics and RNG are put back as an abandoned step's are
         (tuning/fit.py times candidates with it). False when it ran out of memory (on any process)."""
         undo = _Undo(self.model, self.device)
-        bounds = self._bounds(labels, batching.rank_shares(step_samples, world_size()))
+        bounds = self._bounds(labels, batching.rank_shares(step_samples, world_size(), self.partitions))
         try:
             status, sums = self._attempt(images, labels, bounds, step_samples, None, self.maths)
             self.reducer.launch_rest()
