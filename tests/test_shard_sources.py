@@ -39,6 +39,22 @@ def _copy(shards, tmp_path):
     return shutil.copytree(shards, tmp_path / "copy")
 
 
+def _write(path, labels, label_ext="json"):
+    """A shard as another tool writes it: 8 px PNGs with a `.json` label naming the class, or a `.cls`."""
+    from PIL import Image
+
+    with tarfile.open(path, "w") as tar:
+        for i, label in enumerate(labels):
+            png = io.BytesIO()
+            Image.new("RGB", (8, 8), (label * 20, 0, 0)).save(png, "PNG")
+            named = {"label": label, "class_name": f"c{label}"}
+            text = str(label) if label_ext == "cls" else json.dumps(named)
+            for ext, data in (("png", png.getvalue()), (label_ext, text.encode())):
+                member = tarfile.TarInfo(f"{i:06d}.{ext}")
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+
+
 def test_an_index_less_brace_pattern_is_counted_by_a_scan_and_trains(shards, train_cli):
     from vramfit.data.shards import read_index
 
@@ -81,19 +97,7 @@ def test_a_json_label_names_its_class_and_no_validation_shards_is_refused(tmp_pa
     from vramfit.data import load_splits
     from vramfit.errors import VramfitError
 
-    from PIL import Image
-
-    def write(path, labels):
-        with tarfile.open(path, "w") as tar:
-            for i, label in enumerate(labels):
-                png = io.BytesIO()
-                Image.new("RGB", (8, 8), (label * 40, 0, 0)).save(png, "PNG")
-                for ext, data in (("png", png.getvalue()),
-                                  ("json", json.dumps({"label": label, "class_name": f"c{label}"}).encode())):
-                    member = tarfile.TarInfo(f"{i:06d}.{ext}")
-                    member.size = len(data)
-                    tar.addfile(member, io.BytesIO(data))
-
+    write = _write
     write(tmp_path / "set-train-0.tar", [0, 1, 2, 1])
     with pytest.raises(VramfitError) as e:
         load_splits(DataConfig(source=str(tmp_path / "set-train-{0..0}.tar")))
@@ -169,3 +173,58 @@ def test_scan_data_and_eval_read_shards(shards, tmp_path, train_cli, capsys):
     with pytest.raises(Exception) as e:
         run(["eval", "--run", str(run_dir), "--split", "test"])
     assert "not a split" in str(e.value)
+
+
+def test_a_train_label_past_the_validation_labels_of_an_info_file_ends_at_its_shard(tmp_path, train_cli):
+    """An info file's counts without class names: the classes are the validation labels (0..4), the
+    train labels are read with the train headers, and a 9 ends the run there, named, exit 2."""
+    from vramfit.errors import VramfitError
+
+    _write(tmp_path / "train-0.tar", [i % 5 for i in range(16)], "cls")
+    _write(tmp_path / "train-1.tar", [i % 5 for i in range(15)] + [9], "cls")
+    _write(tmp_path / "val-0.tar", [i % 5 for i in range(10)], "cls")
+    info = {"splits": {"train": {"filenames": ["train-{0..1}.tar"], "shard_lengths": [16, 16]},
+                       "validation": {"filenames": ["val-0.tar"], "shard_lengths": [10]}}}
+    (tmp_path / "_info.json").write_text(json.dumps(info))
+    args = _args(tmp_path, "--set", "data.image_size=32")
+    with pytest.raises(VramfitError) as e:
+        train_cli(*args)
+    assert e.value.exit_code == 2
+    assert str(tmp_path / "train-1.tar") in e.value.message and "000015 has label 9" in e.value.message
+    assert "5 classes" in e.value.message and "info file" in e.value.hint
+    _write(tmp_path / "train-1.tar", [i % 5 for i in range(16)], "cls")
+    run_dir, code = train_cli(*args)
+    assert code == 0
+
+
+def test_eval_reads_only_the_split_it_evaluates(tmp_path, train_cli):
+    """`eval --data SHARDS` and `--split` read the one split they evaluate: with a train shard
+    removed after training both still evaluate."""
+    from vramfit.cli import run
+
+    shards = tmp_path / "wds"
+    assert run(["prepare", "--data", "digits", "--output", str(shards), "--format", "webdataset",
+                "--shard-samples", "32", "--set", "data.val_fraction=0.2",
+                "--set", "data.limit_train_samples=64", "--set", "data.limit_val_samples=40"]) == 0
+    run_dir, code = train_cli(*_args(shards))
+    assert code == 0
+    (shards / "train-000001.tar").unlink()
+    assert run(["eval", "--run", str(run_dir), "--data", str(shards)]) == 0
+    assert json.loads((run_dir / "eval-wds-val.json").read_text())["samples"] == 40
+    assert run(["eval", "--run", str(run_dir), "--split", "val"]) == 0
+    assert json.loads((run_dir / "eval-val.json").read_text())["samples"] == 40
+
+
+def test_a_limited_shards_unreadable_image_is_replaced_within_the_limit(tmp_path):
+    """data.limit_*: the replacement of an unreadable image is one of the samples the split holds of
+    its shard (the first `samples`), wrapping there, never one past the limit."""
+    from vramfit.data.shards import SHARD_BITS, Shard, ShardSamples, scan
+
+    _write(tmp_path / "train-0.tar", list(range(8)), "cls")
+    offsets = list(scan(str(tmp_path / "train-0.tar")))
+    samples = ShardSamples([Shard(str(tmp_path / "train-0.tar"), 5, 8)])
+    last = offsets[4]  # the limit's last sample of shard 0
+    got = [samples.replacement(last, k) % 2 ** SHARD_BITS for k in (1, 2, 5)]
+    assert got == [offsets[0], offsets[1], last]
+    whole = ShardSamples([Shard(str(tmp_path / "train-0.tar"), 8)])
+    assert whole.replacement(last, 1) == offsets[5]

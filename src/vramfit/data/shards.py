@@ -40,7 +40,7 @@ import os
 import random
 import re
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Callable, Iterable, Iterator
 
@@ -164,12 +164,15 @@ def scan(path: str) -> Iterator[int]:
 
 class ShardSamples:
     """The samples of some shards, read by location (`ImageDataset`'s `hf`): `self[loc]` is a row
-    {"image": {"bytes", "path"}, "label"}. `len` is the index's count."""
+    {"image": {"bytes", "path"}, "label"}. `len` is the index's count. `classes`: where no read at
+    start saw these shards' labels (`ShardIndex.unread_labels`), the class count their labels are
+    checked against as their headers are read."""
 
-    def __init__(self, shards: list[Shard], read_timeout_s: float | None = None):
+    def __init__(self, shards: list[Shard], read_timeout_s: float | None = None, classes: int | None = None):
         self.shards = list(shards)
         self.num_samples = sum(s.samples for s in shards)
         self.read_timeout_s = read_timeout_s  # the watch on the main process's reads of remote shards
+        self.classes = classes
         self._files: dict[int, tarfile.TarFile] = {}
 
     def __len__(self) -> int:
@@ -222,15 +225,16 @@ class ShardSamples:
         (data.stores.within): the sampler reads them in the main process, which no worker watch covers."""
         shard = self.shards[shard_no]
         if self.read_timeout_s is None or not stores.is_url(shard.path):
-            return _checked_scan(shard)
+            return _checked_scan(shard, self.classes)
         return stores.within(self.read_timeout_s, f"reading the tar headers of {shard.path}",
-                             lambda: list(_checked_scan(shard)))
+                             lambda: list(_checked_scan(shard, self.classes)))
 
     def replacement(self, loc: int, k: int) -> int:
-        """The k-th candidate in place of an unreadable image: the sample k places after it in its
-        shard, wrapping (a function of the location only, so a resume replaces it the same way)."""
+        """The k-th candidate in place of an unreadable image: the sample k places after it among
+        the samples the split holds of its shard (a limit's first `samples`), wrapping (a function
+        of the location only, so a resume replaces it the same way)."""
         shard_no = int(loc) // 2 ** SHARD_BITS
-        locs = _shard_locations(self.shards[shard_no].path)
+        locs = _shard_locations(self.shards[shard_no].path)[:self.shards[shard_no].samples]
         pos = locs.index(int(loc) % 2 ** SHARD_BITS)
         return shard_no * 2 ** SHARD_BITS + locs[(pos + k) % len(locs)]
 
@@ -249,28 +253,58 @@ def _label(data: bytes, ext: str) -> int:
 
 class IndexedSamples:
     """Every sample of some shards by position (validation: `ImageDataset` asks for row i), from one
-    header scan; 8 bytes a sample of host memory."""
+    header scan, made when a row is first asked for; 8 bytes a sample of host memory. Given a
+    function making the samples (`ShardIndex.samples`), the split's shards are not even checked
+    until then: a command's splits are built, only those it uses are read."""
 
-    def __init__(self, samples: ShardSamples):
-        self.samples = samples
-        self.locs = np.asarray([n * 2 ** SHARD_BITS + off for n in range(len(samples.shards))
-                                for off in samples.offsets(n)], dtype=np.int64)
+    def __init__(self, samples: ShardSamples | Callable[[], ShardSamples]):
+        if callable(samples):
+            self.make = samples
+        else:
+            self.samples = samples
+
+    @functools.cached_property
+    def samples(self) -> ShardSamples:
+        return self.make()
+
+    @functools.cached_property
+    def locs(self) -> np.ndarray:
+        samples = self.samples
+        return np.asarray([n * 2 ** SHARD_BITS + off for n in range(len(samples.shards))
+                           for off in samples.offsets(n)], dtype=np.int64)
 
     def __len__(self) -> int:
-        return len(self.locs)
+        return len(self.samples)  # the index's count: the scan checks it
 
     def __getitem__(self, i: int) -> dict:
         return self.samples[int(self.locs[int(i)])]
 
 
-def _checked_scan(shard: Shard) -> Iterator[int]:
+def _checked_scan(shard: Shard, classes: int | None = None) -> Iterator[int]:
+    """The offsets of the samples a run uses of one shard, its count checked; with `classes`, each
+    one's label too (read with its header: `labelled`)."""
     n, expect = 0, shard.samples if shard.total is None else shard.total
-    for off in scan(shard.path):
+    rows = ((off, 0, "") for off in scan(shard.path)) if classes is None else \
+        ((off, label, key) for off, label, _, key in labelled(shard.path))
+    for off, label, key in rows:
         if n < shard.samples:
+            if classes is not None and not (label is not None and 0 <= label < classes):
+                raise _outside_classes(shard.path, key, label, classes)
             yield off
         n += 1
     if n != expect:
         raise _unreadable(shard.path, f"it holds {n} samples, its index says {expect} (truncated?)")
+
+
+def _outside_classes(path: str, key: str, label: int | None, classes: int) -> VramfitError:
+    what = "no .cls or .json label" if label is None else f"label {label}"
+    return VramfitError(
+        f"Shard {path}: sample {os.path.basename(key)} has {what}, outside the {classes} classes (0 to "
+        f"{classes - 1}) found in the labels of the shards read at start.",
+        hint="without class names, the classes are the labels found, and an info file's split counts "
+             "leave its train labels unread at start: give the validation split a sample of every "
+             "class, remove the info file (every shard's labels are then read at start), or re-write "
+             "the shards with `vramfit prepare --format webdataset` (its index.json names the classes)")
 
 
 def partition_sizes(num_samples: int, global_batch: int, partitions: int) -> list[int]:
@@ -362,16 +396,42 @@ class ShardStepSampler:
             yield [(loc, self.epoch, n, *size) for loc in locs] or [(NO_SAMPLE, self.epoch, n, *size)]
 
 
+UNCOUNTED = -1  # a shard's count before `survey` (no index or info file gives it)
+
+
 @dataclass
 class ShardIndex:
-    """The splits of some shards with their sample counts, and the class names."""
+    """The splits of some shards with their sample counts, and the class names. A split's shards
+    are checked (`_check_size`) when it is first asked for (`split`), so a command reads only the
+    splits it uses (`vramfit eval`: one); those read at start for their counts or the class names
+    are ready at once."""
 
     root: Path | str  # a local folder, or the URL of a remote one
     class_names: list[str]
-    splits: dict[str, list[Shard]]
+    listed: dict[str, list[Shard]]  # each split's shards as the index, info file or names give them
+    # Splits whose labels no read at start has seen, where the classes are the labels found (an
+    # info file's counts without class names): checked as their headers are read (ShardSamples).
+    unread_labels: frozenset[str] = frozenset()
+    ready: dict[str, list[Shard]] = field(default_factory=dict, repr=False)
 
+    def split(self, name: str) -> list[Shard]:
+        """One split's shards, checked (present, whole tar blocks) and counted."""
+        if name not in self.ready:
+            for s in self.listed[name]:
+                _check_size(s)
+            self.ready[name] = list(self.listed[name])
+        return self.ready[name]
 
-UNCOUNTED = -1  # a shard's count before `survey` (no index or info file gives it)
+    @property
+    def splits(self) -> dict[str, list[Shard]]:
+        """Every split, checked."""
+        return {name: self.split(name) for name in self.listed}
+
+    def samples(self, name: str, shards: list[Shard] | None = None,
+                read_timeout_s: float | None = None) -> ShardSamples:
+        """The samples of split `name` (of `shards`, a limited part of it, where given)."""
+        classes = len(self.class_names) if name in self.unread_labels else None
+        return ShardSamples(self.split(name) if shards is None else shards, read_timeout_s, classes)
 
 
 def read_index(source: str) -> ShardIndex:
@@ -393,16 +453,16 @@ def read_index(source: str) -> ShardIndex:
         splits, names, listed_in = _from_names(folder), None, None
     if not Path(src).is_dir():
         _pick_train(source, splits, listed_in)
-    for shards in splits.values():
-        for s in shards:
-            _check_size(s)
+    index = ShardIndex(folder, [], splits)
     labels: dict[int, str | None] = {}
     for name, shards in splits.items():
         if any(s.samples == UNCOUNTED for s in shards) or names is None and name in VAL_SPLITS:
-            splits[name] = [_surveyed(s, labels) for s in shards]
+            index.ready[name] = [_surveyed(s, labels) for s in index.split(name)]
     if names is None:
         names = _class_names(labels, folder)
-    return ShardIndex(folder, [str(c) for c in names], splits)
+        index.unread_labels = frozenset(splits) - set(index.ready)
+    index.class_names = [str(c) for c in names]
+    return index
 
 
 def _from_index(meta: dict, folder: str) -> dict[str, list[Shard]]:
@@ -433,9 +493,6 @@ def _remote_index(source: str) -> ShardIndex:
     splits = _from_index(meta, folder)
     if not stores.is_dir(source):
         _pick_train(source, splits, index)
-    for shards in splits.values():
-        for s in shards:
-            _check_size(s)
     return ShardIndex(folder, [str(c) for c in meta["class_names"]], splits)
 
 
@@ -492,31 +549,44 @@ def _key(path: str) -> str:
 def survey(path: str) -> tuple[list[int | None], dict[int, str | None]]:
     """Each sample's label in one shard (None: it has none), and the class name a `.json` label may
     carry: its headers and label members are read, no image bytes."""
-    tar = _open(path)
     labels: list[int | None] = []
     names: dict[int, str | None] = {}
-    key = None
+    for _, label, name, _ in labelled(path):
+        labels.append(label)
+        if label is not None:
+            names[label] = name or names.get(label)
+    return labels, names
+
+
+def labelled(path: str) -> Iterator[tuple[int, int | None, str | None, str]]:
+    """Each sample of one shard, in order: (header offset as `scan` gives it, label or None, the
+    class name a `.json` label carries or None, key), from its headers and label members."""
+    tar = _open(path)
+    sample: list | None = None  # [offset, label, name, key] of the sample being read
     try:
         while True:
             try:
                 info = tar.next()
                 if info is None:
-                    return labels, names
+                    break
                 tar.members = []  # as in `scan`: a long shard must not grow memory
-                if not info.isfile():
-                    continue
-                if _stem(info.name) != key:
-                    key = _stem(info.name)
-                    labels.append(None)
                 ext = os.path.splitext(info.name)[1].lower()
-                if ext in LABEL_EXTENSIONS:
-                    data = tar.extractfile(info).read()
-                    labels[-1] = label = _label(data, ext)
-                    names[label] = _class_name(data, ext) or names.get(label)
+                data = tar.extractfile(info).read() if info.isfile() and ext in LABEL_EXTENSIONS else None
+                label = None if data is None else _label(data, ext)
             except (tarfile.TarError, OSError, EOFError, ValueError, KeyError, TypeError) as e:
                 raise _unreadable(path, f"{type(e).__name__}: {e}") from None
+            if not info.isfile():
+                continue
+            if sample is None or _stem(info.name) != sample[3]:
+                if sample is not None:
+                    yield tuple(sample)
+                sample = [info.offset, None, None, _stem(info.name)]
+            if data is not None:
+                sample[1], sample[2] = label, _class_name(data, ext) or sample[2]
+        if sample is not None:
+            yield tuple(sample)
     finally:
-        tar.close()
+        _close(tar)
 
 
 def split_labels(samples: ShardSamples) -> list[int | None]:

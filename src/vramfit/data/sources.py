@@ -15,6 +15,7 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,18 +102,19 @@ def _shard_splits(cfg: DataConfig) -> Splits:
     position, from one scan of its shards' headers. The limits take a seeded subset of shards."""
     index, val_name = _shard_index(cfg)
     notes = []
-    train = limited(index.splits["train"], cfg.limit_train_samples, cfg.split_seed)
-    val = limited(index.splits[val_name], cfg.limit_val_samples, cfg.split_seed)
+    train = limited(index.split("train"), cfg.limit_train_samples, cfg.split_seed)
+    val = limited(index.split(val_name), cfg.limit_val_samples, cfg.split_seed)
     for part, limit, whole, shards in (("train", cfg.limit_train_samples, "train", train),
                                        ("val", cfg.limit_val_samples, val_name, val)):
-        total = sum(s.samples for s in index.splits[whole])
+        total = sum(s.samples for s in index.split(whole))
         if limit is not None and limit < total:
             notes.append(f"data.limit_{part}_samples: the first {limit} of {total} {part} samples in a "
                          f"seeded order of the shards ({len(shards)} shard(s), data.split_seed "
                          f"{cfg.split_seed})")
     desc = f"tar shards {cfg.source} ({len(train)} train, {len(val)} {val_name})"
-    train_samples = ShardSamples(train, cfg.read_timeout_s)
-    val_samples = IndexedSamples(ShardSamples(val, cfg.read_timeout_s))
+    train_samples = index.samples("train", train, cfg.read_timeout_s)
+    val_samples = IndexedSamples(index.samples(val_name, val, cfg.read_timeout_s))
+    len(val_samples.locs)  # its headers read now: a damaged validation shard stops the run at start
     return Splits(train_samples, val_samples, index.class_names, "image", "label", desc, notes)
 
 
@@ -123,23 +125,23 @@ def _read_shard_index(cfg: DataConfig):
 
 
 def _shard_val_name(cfg: DataConfig, index) -> str | None:
-    return cfg.val_split or next((s for s in VAL_SPLITS if index.splits.get(s)), None)
+    return cfg.val_split or next((s for s in VAL_SPLITS if index.listed.get(s)), None)
 
 
 def _shard_index(cfg: DataConfig):
     """The shards' index and the name of their validation split (data.val_split, or the first of
     VAL_SPLITS); shards are never held out at training time."""
     index = _read_shard_index(cfg)
-    if not index.splits.get("train"):
+    if not index.listed.get("train"):
         raise VramfitError(f"The shards of {index.root} have no train split.",
                            hint="name the train shards (a brace pattern such as train-{000000..000127}.tar, "
                                 "or files named train-*.tar), or write them with `vramfit prepare --format "
                                 "webdataset`")
     val_name = _shard_val_name(cfg, index)
-    if val_name not in index.splits:
+    if val_name not in index.listed:
         raise VramfitError(f"The shards of {index.root} have no validation split"
                            + (f" `{val_name}`" if val_name else "") + ".",
-                           hint=f"splits: {', '.join(index.splits)}; validation shards are the folder's "
+                           hint=f"splits: {', '.join(index.listed)}; validation shards are the folder's "
                                 f"files named with a split word (val-000000.tar, "
                                 f"imagenet-validation-0000.tar) "
                                 f"or the info file's `validation` split; `vramfit prepare` writes val-*.tar")
@@ -147,16 +149,17 @@ def _shard_index(cfg: DataConfig):
 
 
 def _shard_source(cfg: DataConfig) -> Source:
-    """Tar shards as a `Source` whose splits are read by position (scan-data, eval): every header of
-    each split is read once, no image bytes."""
+    """Tar shards as a `Source` whose splits are read by position (scan-data, eval): each split's
+    shards are checked and their headers read once (no image bytes) when a row of it is first
+    asked for, so `eval --data SHARDS` or `--split test` reads only the split it evaluates."""
     index = _read_shard_index(cfg)
     val_name = _shard_val_name(cfg, index)
-    if cfg.val_split and val_name not in index.splits:
+    if cfg.val_split and val_name not in index.listed:
         raise VramfitError(f"data.val_split `{val_name}` is not a split of tar shards {cfg.source}.",
-                           hint=f"splits: {', '.join(index.splits)}")
-    parts = {k: IndexedSamples(ShardSamples(v, cfg.read_timeout_s)) for k, v in index.splits.items()}
-    train = parts.get("train") or IndexedSamples(ShardSamples([]))
-    held = [s for s in index.splits if s in HELD_OUT_SPLITS and s != val_name]
+                           hint=f"splits: {', '.join(index.listed)}")
+    parts = {k: IndexedSamples(partial(index.samples, k, None, cfg.read_timeout_s)) for k in index.listed}
+    train = parts["train"] if "train" in parts else IndexedSamples(ShardSamples([]))
+    held = [s for s in index.listed if s in HELD_OUT_SPLITS and s != val_name]
     return Source(train, parts.get(val_name) if val_name else None, index.class_names, "image", "label",
                   f"tar shards {cfg.source}", [], index.root, val_name, [], held)
 

@@ -289,6 +289,8 @@ class TrainStep:
         with contextlib.suppress(Exception):
             self.vote.vote(Status.ERROR, 0, 0, self.zero_loss, self.zero_hits)
             self.reducer.finish(apply=False)
+        if world_size() > 1:  # its own error: the command line prints it here, on any rank (cli._prints_here)
+            error.failed_ranks = [torch.distributed.get_rank()]
         raise error
 
     def _retry_smaller(self, undo: "_Undo") -> None:
