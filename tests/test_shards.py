@@ -179,3 +179,28 @@ def test_streamed_resume_after_a_signal_equals_an_uninterrupted_run_bitwise(shar
     assert code == 0
 
     assert same_weights(last_weights(full), last_weights(part))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_a_worker_cannot_read_is_named_without_the_workers_traceback(tmp_path, shards, train_cli,
+                                                                              workers):
+    """Damage only reading a sample finds (a sample without its label): the loader worker's
+    VramfitError travels back in the batch and is raised in the main process as itself, with its
+    HINT, not as torch's re-raise carrying the worker's traceback in its message."""
+    import shutil
+
+    from vramfit.errors import VramfitError
+
+    copy = tmp_path / "unlabelled"
+    shutil.copytree(shards, copy)
+    shard = copy / "train-000000.tar"
+    with tarfile.open(shard) as src:
+        members = [(m, src.extractfile(m).read()) for m in src.getmembers()]
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as dst:
+        for m, data in members:
+            if not m.name.endswith(".cls") or m.name != members[-1][0].name:
+                dst.addfile(m, __import__("io").BytesIO(data))
+    with pytest.raises(VramfitError) as e:
+        train_cli(*_shard_args(copy, "--set", f"data.num_workers={workers}"))
+    assert "train-000000.tar" in e.value.message and "no .cls or .json label" in e.value.message
+    assert "Traceback" not in str(e.value) and "re-write it" in (e.value.hint or "")

@@ -3,7 +3,8 @@ step, made in loader workers; `build_loaders` makes a run's train and validation
 
 Problems met in a worker travel back inside the batch (an exception raised there would reach the
 run as a traceback): `Batch.bad` (unreadable files, replaced and counted by the run), `Batch.stop`
-(no readable image at all: the loader raises a VramfitError in the main process) and `Batch.notes`
+(no readable image at all, or a source that cannot be read, e.g. a damaged shard: the loader raises
+a VramfitError in the main process, with the source's hint where it gave one) and `Batch.notes`
 (said once per run, e.g. huge images).
 """
 
@@ -134,6 +135,7 @@ class Sample(NamedTuple):
     stop: str = ""  # why the run cannot go on, or ""
     note: Note | None = None
     jitter: torch.Tensor | None = None  # colour jitter done on the device: see jitter_params
+    stop_hint: str = ""  # what to do about `stop`, where the source said (a VramfitError's hint)
 
 
 # jitter_params that change nothing: factors of 1, the operations in their own order.
@@ -184,14 +186,28 @@ class ImageDataset(torch.utils.data.Dataset):
                                 f"`vramfit prepare` shrinks a dataset once")
         return img, int(row[self.label_col]), note
 
-    def _empty(self, index: int, step_n: int, bad: str = "", stop: str = "", size: int | None = None) -> Sample:
+    def _empty(self, index: int, step_n: int, bad: str = "", stop: str = "", size: int | None = None,
+               stop_hint: str = "") -> Sample:
         jitter = NO_JITTER if self.device_jitter else None
         side = size or self.image_size
-        return Sample(torch.zeros(3, side, side, dtype=torch.uint8), -1, index, step_n, bad, stop, jitter=jitter)
+        return Sample(torch.zeros(3, side, side, dtype=torch.uint8), -1, index, step_n, bad, stop, jitter=jitter,
+                      stop_hint=stop_hint)
+
+    def _key(self, key) -> tuple:
+        # A train key: (index, epoch, step_samples[, image size of the step]); eval: the index.
+        return (tuple(key) + (None,))[:4] if self.train else (key, 0, 0, None)
 
     def __getitem__(self, key) -> Sample:
-        # A train key: (index, epoch, step_samples[, image size of the step]); eval: the index.
-        index, epoch, step_n, size = (tuple(key) + (None,))[:4] if self.train else (key, 0, 0, None)
+        try:
+            return self._item(key)
+        except VramfitError as e:
+            # The source itself cannot be read (a damaged shard): said by the main process as the
+            # error it is, where torch would re-raise it carrying this worker's traceback.
+            index, _, step_n, size = self._key(key)
+            return self._empty(index, step_n, stop=e.message, size=size, stop_hint=e.hint or "")
+
+    def _item(self, key) -> Sample:
+        index, epoch, step_n, size = self._key(key)
         if index == NO_SAMPLE:
             return self._empty(index, step_n, size=size)
         transform, draft = self._transform_at(size)
@@ -251,6 +267,7 @@ class Batch:
     stop: str = ""  # set: the run must stop (see the module docstring)
     notes: list[Note] = field(default_factory=list)
     jitter: torch.Tensor | None = None  # (N, 6) jitter_params of the samples, when the device jitters
+    stop_hint: str = ""  # what to do about `stop`, where the source said
 
     def pin_memory(self) -> "Batch":
         # Called by the loader's pin-memory thread (CUDA runs): torch pins tensors, mappings and
@@ -273,10 +290,12 @@ def collate(items: list, image_size: int | None = None) -> Batch:
         side = items[0].image.shape[-1] if items else (image_size or 0)
         images = torch.empty((0, 3, side, side), dtype=torch.uint8)
     jitter = torch.stack([it.jitter for it in real]) if real and real[0].jitter is not None else None
+    stopped = next((it for it in real if it.stop), None)
     return Batch(images, torch.tensor([it.label for it in real], dtype=torch.long),
                  torch.tensor([it.index for it in real], dtype=torch.long),
                  int(items[0].step_samples) if items else 0, [it.bad for it in real if it.bad],
-                 next((it.stop for it in real if it.stop), ""), [it.note for it in real if it.note], jitter)
+                 stopped.stop if stopped else "", [it.note for it in real if it.note], jitter,
+                 stopped.stop_hint if stopped else "")
 
 
 def stack_images(images: list) -> torch.Tensor:
@@ -314,8 +333,8 @@ class CheckedLoader(torch.utils.data.DataLoader):
     def __iter__(self):
         for batch in self._batches():
             if batch.stop:
-                raise VramfitError(batch.stop, hint="fix or delete these files (`vramfit scan-data "
-                                                    "--data SRC` lists every unreadable one)")
+                raise VramfitError(batch.stop, hint=batch.stop_hint or "fix or delete these files (`vramfit "
+                                                    "scan-data --data SRC` lists every unreadable one)")
             for note in batch.notes:
                 if note.kind not in self.notes_said:
                     self.notes_said.add(note.kind)
