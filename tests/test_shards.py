@@ -8,15 +8,14 @@ import tarfile
 
 import pytest
 
-from helpers import last_weights, same_weights, tiny_args
+from vramfit.cli import run
+from helpers import class_tree, last_weights, same_weights, tiny_args
 
 LIMITS = ("--set", "data.val_fraction=0.2", "--set", "data.limit_train_samples=160",
           "--set", "data.limit_val_samples=40")
 
 
 def _prepare(out, *extra):
-    from vramfit.cli import run
-
     return run(["prepare", "--data", "digits", "--output", str(out), "--format", "webdataset", *extra])
 
 
@@ -52,12 +51,72 @@ def test_prepare_writes_shards_with_the_images_as_stored_and_an_index(shards):
                                  limit_val_samples=40))
     with tarfile.open(shards / "train-000000.tar") as tar:
         names = tar.getnames()
-        assert names[:2] == ["00000000.png", "00000000.cls"]
+        key = int(names[0].split(".")[0])  # a sample's key is its row in the split (written shuffled)
+        assert names[:2] == [f"{key:08d}.png", f"{key:08d}.cls"]
         first = tar.extractfile(names[0]).read()
         label = int(tar.extractfile(names[1]).read())
-    with open(src.train[0]["image"]["path"], "rb") as f:
+    with open(src.train[key]["image"]["path"], "rb") as f:
         assert f.read() == first
-    assert label == src.train[0]["label"]
+    assert label == src.train[key]["label"]
+    assert train["order"] == "shuffled" and train["split_seed"] == 0 and val["order"] == "source"
+
+
+def _labels(shard) -> list[int]:
+    with tarfile.open(shard) as tar:
+        return [int(tar.extractfile(m).read()) for m in tar.getmembers() if m.name.endswith(".cls")]
+
+
+def test_prepare_writes_train_shuffled_by_the_split_seed_and_the_same_bytes_twice(tmp_path):
+    """A folder lists its classes one after the other; the first train shard mixes them, in an
+    order that is a function of data.split_seed: prepare twice writes the same bytes, another seed
+    another order. Validation keeps the source's order."""
+    src = tmp_path / "src"
+    classes = {f"c{k}": 8 for k in range(10)}
+    class_tree(src / "train", classes)
+    class_tree(src / "val", {c: 2 for c in classes})
+    for out, seed in (("a", 0), ("b", 0), ("c", 1)):
+        assert run(["prepare", "--data", str(src), "--output", str(tmp_path / out), "--format", "webdataset",
+                    "--shard-samples", "16", "--set", f"data.split_seed={seed}"]) == 0
+    first = _labels(tmp_path / "a" / "train-000000.tar")
+    assert len(set(first)) >= 6 and first != sorted(first)
+    assert sorted(_labels(tmp_path / "a" / "val-000000.tar")) == _labels(tmp_path / "a" / "val-000000.tar")
+    files = sorted(f.name for f in (tmp_path / "a").iterdir())
+    assert files == sorted(f.name for f in (tmp_path / "b").iterdir()) and "train-000004.tar" in files
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert _labels(tmp_path / "c" / "train-000000.tar") != first
+
+
+def test_long_names_pax_and_gnu_headers_are_read_as_tarfile_reads_them(tmp_path):
+    """Names over 100 characters (GNU long-name and pax headers), a ustar prefix, a directory
+    member and a .json label: the header offsets and the samples are tarfile's."""
+    import io
+
+    from vramfit.data.shards import Shard, ShardSamples, scan
+
+    def add(tar, name, payload, kind=tarfile.REGTYPE):
+        info = tarfile.TarInfo(name)
+        info.type, info.size = kind, len(payload) if kind == tarfile.REGTYPE else 0
+        tar.addfile(info, io.BytesIO(payload) if kind == tarfile.REGTYPE else None)
+
+    deep = "d" * 90 + "/" + "e" * 60  # over 100 characters: a ustar prefix, or a long-name header
+    rows = [(f"{deep}/a{i}" if i % 2 else f"s{i}", bytes([i]) * (700 * i + 1), i) for i in range(6)]
+    for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT):
+        path = tmp_path / f"{fmt}.tar"
+        with tarfile.open(path, "w", format=fmt) as tar:
+            add(tar, "dir/", b"", tarfile.DIRTYPE)
+            for key, image, label in rows:
+                add(tar, f"{key}.jpg", image)
+                add(tar, f"{key}.json" if label % 3 else f"{key}.cls",
+                    (f'{{"label": {label}}}' if label % 3 else str(label)).encode())
+        with tarfile.open(path) as tar:
+            expect = [m.offset for m in tar.getmembers() if m.name.endswith(".jpg")]
+        assert list(scan(str(path))) == expect, fmt
+        samples = ShardSamples([Shard(str(path), len(rows))])
+        got = [samples[off] for off in expect]
+        assert [g["label"] for g in got] == [label for *_, label in rows]
+        assert [g["image"]["bytes"] for g in got] == [image for _, image, _ in rows]
+        assert got[1]["image"]["path"] == f"{path}/{rows[1][0]}.jpg"
 
 
 def test_prepare_refuses_a_folder_that_is_not_empty(tmp_path):

@@ -19,12 +19,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterable
 
+import numpy as np
 from PIL import Image
 
 from ..config import DataConfig
 from ..data import load_eval_split, load_source, load_splits
 from ..data.decode import BadImage, decode_image, describe
+from ..data.ordering import mix_seed
 from ..errors import VramfitError
 
 CHUNK = 32
@@ -215,7 +218,8 @@ def prepare_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, sha
                    log=None) -> dict:
     """Write a dataset as WebDataset tar shards (`train-000000.tar`, `val-000000.tar`, ...) and
     `index.json`; train with `--data OUTPUT`. Images are stored as they are (the bytes of the file
-    or of the dataset, never re-encoded), with a `.cls` label."""
+    or of the dataset, never re-encoded), with a `.cls` label; the train split in a seeded random
+    order (`_shuffled`), the others in the source's."""
     from ..data.shards import INDEX
 
     log = log or sys.stdout
@@ -229,7 +233,8 @@ def prepare_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, sha
         parts.update(train=held.train, validation=held.val)
         notes += [n for n in held.notes if n not in notes]
     print(f"prepare: {src.description} -> {out} (WebDataset tar shards of at most {shard_mb:g} MB"
-          + (f" / {shard_samples} samples" if shard_samples else "") + ")", file=log)
+          + (f" / {shard_samples} samples" if shard_samples else "")
+          + f", train samples shuffled by data.split_seed {cfg.split_seed})", file=log)
     for note in notes:
         print(f"  note: {note}", file=log)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,7 +243,10 @@ def prepare_shards(cfg: DataConfig, output: str, shard_mb: float = SHARD_MB, sha
         splits = {}
         for name, ds in parts.items():
             prefix = "val" if name == "validation" else name
-            splits[prefix] = _write_shards(ds, src, prefix, tmp, shard_mb * 1e6, shard_samples)
+            order = _shuffled(len(ds), cfg.split_seed) if name == "train" else range(len(ds))
+            splits[prefix] = _write_shards(ds, src, prefix, tmp, shard_mb * 1e6, shard_samples, order)
+            splits[prefix].update({"order": "shuffled", "split_seed": cfg.split_seed} if name == "train"
+                                  else {"order": "source"})
         index = {"format": "webdataset", "source": cfg.source, "description": src.description,
                  "class_names": src.class_names, "splits": splits, "notes": notes}
         (tmp / INDEX).write_text(json.dumps(index, indent=1))
@@ -274,13 +282,23 @@ def _encoded(item) -> tuple[bytes, str]:
     return data, ext
 
 
-def _write_shards(ds, src, prefix: str, tmp: Path, max_bytes: float, max_samples: int) -> dict:
-    """One split as tar shards under tmp: {"samples", "shards": [{"name", "samples", "bytes"}]}."""
+def _shuffled(n: int, split_seed: int) -> list[int]:
+    """The train split's order in its shards: seeded by data.split_seed, so that a run's shuffle
+    buffer, which holds a few shards' samples, mixes classes even where the source is sorted by
+    class (a folder), as WebDataset advises; the same on every run (`prepare` twice writes the same
+    bytes). The order a run reads them in is then the sampler's (data.shards)."""
+    return np.random.default_rng(mix_seed(split_seed, "shard order")).permutation(n).tolist()
+
+
+def _write_shards(ds, src, prefix: str, tmp: Path, max_bytes: float, max_samples: int,
+                  order: Iterable[int]) -> dict:
+    """One split as tar shards under tmp, its rows in `order`, each sample keyed by its row number
+    in the split: {"samples", "shards": [{"name", "samples", "bytes"}]}."""
     import tarfile
 
     shards: list[dict] = []
     tar, size = None, 0
-    for i in range(len(ds)):
+    for i in order:
         row = ds[i]
         data, ext = _encoded(row[src.image_column])
         cls = str(int(row[src.label_column])).encode()

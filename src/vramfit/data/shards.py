@@ -137,29 +137,128 @@ def _close(tar: tarfile.TarFile) -> None:
 
 
 def _stem(name: str) -> str:
-    head, base = os.path.split(name)
-    return os.path.join(head, base.split(".", 1)[0])
+    head, sep, base = name.rpartition("/")
+    return head + sep + base.split(".", 1)[0]
+
+
+BLOCK = tarfile.BLOCKSIZE
+REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
+PLAIN = (*REGULAR, tarfile.LNKTYPE, tarfile.SYMTYPE, tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.DIRTYPE,
+         tarfile.FIFOTYPE)
+OPEN_LOCAL_SHARDS = 64  # a local shard open for reading is one descriptor; a remote one holds a read-ahead
+READ_AHEAD = (16 * 1024, 4 * 2**20)  # bounds of a sample's first read: twice the mean span seen so far
+
+
+class _ShardFile:
+    """One shard open for reads at byte offsets: `os.pread` on a local file (one system call, no
+    seek), seek + read on a remote one (data.stores: range requests); a `tarfile.TarFile` on it
+    only for the headers `_member` leaves to tarfile."""
+
+    def __init__(self, path: str):
+        self.path, self._tar = path, None
+        try:
+            self.fd = None if stores.is_url(path) else os.open(path, os.O_RDONLY)
+            self.remote = stores.open_binary(path) if self.fd is None else None
+        except OSError as e:
+            raise _unreadable(path, f"{type(e).__name__}: {e}") from None
+
+    def read(self, offset: int, n: int) -> bytes:
+        if self.fd is not None:
+            return os.pread(self.fd, n, offset)
+        self.remote.seek(offset)
+        return self.remote.read(n)
+
+    def tar(self) -> tarfile.TarFile:
+        if self._tar is None:
+            self._tar = _open(self.path)
+        return self._tar
+
+    def close(self) -> None:
+        if self._tar is not None:
+            _close(self._tar)
+        if self.fd is not None:
+            os.close(self.fd)
+        else:
+            self.remote.close()
+
+
+def _octal(field: bytes) -> int:
+    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+
+
+def _member(file: _ShardFile, offset: int, block: bytes) -> tuple[str, int, int, bool] | None:
+    """The member whose header is at `offset` (`block`: the bytes read there, 512 unless the file
+    ends): (name, offset of its data, size, whether it is a file), or None at the end of the archive.
+    A plain ustar header (what `prepare` and webdataset's writers write for names under 100
+    characters) is parsed here, with its checksum: tarfile's `TarInfo.frombuf` decodes all 17
+    fields, at over 10x the cost, which the loader would pay for each header of each sample. Any
+    other header (pax, GNU long names, a base-256 size, a bad checksum) is read by tarfile's parser,
+    which knows them."""
+    if len(block) < BLOCK or block.count(0) == BLOCK:
+        return None  # as tarfile: the file ends, or a zero block marks the end
+    kind = block[156:157]
+    if kind in PLAIN and not block[124] & 0x80:
+        try:
+            # the chksum field counts as 8 spaces; the trailing zeros of the block add nothing
+            ok = _octal(block[148:156]) == sum(block[:148]) + 256 + sum(block[156:].rstrip(b"\0"))
+            size = _octal(block[124:136])
+        except ValueError:
+            ok = False
+        if ok:
+            name = block[:100].split(b"\0", 1)[0].decode(tarfile.ENCODING, "surrogateescape")
+            prefix = block[345:500].split(b"\0", 1)[0].decode(tarfile.ENCODING, "surrogateescape")
+            name = f"{prefix}/{name}" if prefix else name
+            is_file = kind in REGULAR and not name.endswith("/")
+            return name, offset + BLOCK, size if is_file else 0, is_file
+    tar = file.tar()
+    tar.fileobj.seek(offset)
+    try:
+        info = tarfile.TarInfo.fromtarfile(tar)
+    except (tarfile.EOFHeaderError, tarfile.EmptyHeaderError, tarfile.TruncatedHeaderError):
+        return None
+    return info.name, info.offset_data, info.size if info.isreg() else 0, info.isreg()
+
+
+def _padded(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
 
 
 def scan(path: str) -> Iterator[int]:
     """Header offsets of the samples of one shard, in order (no image bytes are read). A truncated
     or damaged shard raises a VramfitError naming it."""
-    tar = _open(path)
+    file = _ShardFile(path)
     try:
-        key = None
+        key, offset = None, 0
         while True:
             try:
-                info = tar.next()
+                member = _member(file, offset, file.read(offset, BLOCK))
+                if member is None and offset and not file.read(offset - 1, 1):
+                    raise EOFError("unexpected end of data")  # the last member's data is cut
             except (tarfile.TarError, OSError, EOFError) as e:
                 raise _unreadable(path, f"{type(e).__name__}: {e} (truncated?)") from None
-            if info is None:
+            if member is None:
                 return
-            tar.members = []  # tarfile keeps every member read; a long shard must not grow memory
-            if info.isfile() and _stem(info.name) != key:
-                key = _stem(info.name)
-                yield info.offset
+            name, data_at, size, is_file = member
+            if is_file and _stem(name) != key:
+                key = _stem(name)
+                yield offset
+            offset = data_at + _padded(size)
     finally:
-        _close(tar)
+        file.close()
+
+
+class _Span:
+    """The bytes of a shard from `start` on, read in one read of `n` and extended when a member
+    reaches past them."""
+
+    def __init__(self, file: _ShardFile, start: int, n: int):
+        self.file, self.start, self.buf = file, start, file.read(start, n)
+
+    def get(self, offset: int, n: int) -> bytes:
+        end = offset + n - self.start
+        if end > len(self.buf):
+            self.buf += self.file.read(self.start + len(self.buf), end - len(self.buf) + BLOCK)
+        return self.buf[offset - self.start:end]
 
 
 class ShardSamples:
@@ -173,7 +272,8 @@ class ShardSamples:
         self.num_samples = sum(s.samples for s in shards)
         self.read_timeout_s = read_timeout_s  # the watch on the main process's reads of remote shards
         self.classes = classes
-        self._files: dict[int, tarfile.TarFile] = {}
+        self._files: dict = {}
+        self._spans = [0, 0]  # bytes and samples read: a sample's first read is twice their mean
 
     def __len__(self) -> int:
         return self.num_samples
@@ -181,40 +281,45 @@ class ShardSamples:
     def __getstate__(self):  # open files stay in the process that opened them
         return {**self.__dict__, "_files": {}}
 
-    def _tar(self, shard_no: int) -> tarfile.TarFile:
-        tar = self._files.get(shard_no)
-        if tar is None:
-            if len(self._files) >= OPEN_SHARDS:
-                _close(self._files.pop(next(iter(self._files))))
-            tar = self._files[shard_no] = _open(self.shards[shard_no].path)
-        return tar
+    def _shard_file(self, shard_no: int) -> _ShardFile:
+        """The shard open for reading; the least recently used closes past the limit."""
+        file = self._files.pop(shard_no, None)
+        if file is None:
+            path = self.shards[shard_no].path
+            if len(self._files) >= (OPEN_SHARDS if stores.is_url(path) else OPEN_LOCAL_SHARDS):
+                self._files.pop(next(iter(self._files))).close()
+            file = _ShardFile(path)
+        self._files[shard_no] = file
+        return file
 
     def __getitem__(self, loc: int) -> dict:
+        """The sample at `loc`: its members up to the next key, from one read of its span."""
         shard_no, offset = divmod(int(loc), 2 ** SHARD_BITS)
         path = self.shards[shard_no].path
-        tar = self._tar(shard_no)
+        file, start = self._shard_file(shard_no), offset
+        total, count = self._spans
+        ahead = min(max(2 * total // max(count, 1), READ_AHEAD[0]), READ_AHEAD[1])
         image, label, key = None, None, None
         try:
-            while True:
-                tar.fileobj.seek(offset)
-                try:
-                    info = tarfile.TarInfo.fromtarfile(tar)
-                except tarfile.HeaderError:  # the end of the archive
+            span = _Span(file, offset, ahead)
+            while (member := _member(file, offset, span.get(offset, BLOCK))) is not None:
+                name, data_at, size, is_file = member
+                if key is not None and _stem(name) != key:
                     break
-                if key is not None and _stem(info.name) != key:
-                    break
-                key = _stem(info.name)
-                ext = os.path.splitext(info.name)[1].lower()
-                if ext in IMAGE_EXTENSIONS or ext in LABEL_EXTENSIONS:
-                    tar.fileobj.seek(info.offset_data)
-                    data = tar.fileobj.read(info.size)
+                key = _stem(name)
+                ext = os.path.splitext(name)[1].lower()
+                if is_file and (ext in IMAGE_EXTENSIONS or ext in LABEL_EXTENSIONS):
+                    data = span.get(data_at, size)
+                    if len(data) < size:
+                        raise EOFError(f"{name} is cut short (truncated?)")
                     if ext in LABEL_EXTENSIONS:
                         label = _label(data, ext)
                     else:
-                        image = {"bytes": data, "path": f"{path}/{info.name}"}
-                offset = info.offset_data + -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-        except (OSError, tarfile.TarError, ValueError) as e:
+                        image = {"bytes": data, "path": f"{path}/{name}"}
+                offset = data_at + _padded(size)
+        except (OSError, EOFError, tarfile.TarError, ValueError) as e:
             raise _unreadable(path, f"{type(e).__name__} at byte {offset}: {e}") from None
+        self._spans = [total + offset + BLOCK - start, count + 1]
         if label is None:
             raise _unreadable(path, f"sample {key} has no .cls or .json label")
         return {"image": image or {"bytes": b"", "path": f"{path}/{key} (no image member)"}, "label": label}
