@@ -53,6 +53,23 @@ def test_a_full_disk_keeps_the_file_as_it_was_and_names_the_path_and_the_free_sp
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "summary.json"]  # no temp file left
 
 
+def test_output_on_a_full_or_read_only_disk_is_told_by_the_storages_recognition(tmp_path):
+    """`--output`'s probe before anything loads reads the errno as every writer does
+    (storage.os_cause): the cause, the free space where it is the space, and the fix."""
+    from vramfit.train.build import check_writable
+
+    with full_disk(tmp_path / "disk") as disk:
+        fill(disk)
+        with pytest.raises(VramfitError) as e:
+            check_writable(disk / "runs")
+        assert f"Cannot write into --output {disk / 'runs'}: the disk is full; " in e.value.message
+        assert "free under" in e.value.message and "--output PATH" in e.value.hint
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(VramfitError) as e:
+            check_writable(disk)
+        assert e.value.message == f"Cannot write into --output {disk}: the file system is read-only."
+
+
 def test_the_best_model_on_a_full_disk_keeps_the_previous_model_whole(tmp_path):
     """timm writes the weights with safetensors, whose full-disk error has no errno
     (`SafetensorError`): the storage itself is asked. model/ is the old complete folder after."""

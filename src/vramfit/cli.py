@@ -334,10 +334,13 @@ def run(argv: list[str]) -> int:
     if ns.command in ("train", "eval", "predict", "scan-data", "prepare", "lr-find", "doctor"):
         _writable_caches(ns)
     if ns.command == "train":
-        with _starting():
-            from .train.run import train
+        from .runtime.signals import stops_setup
 
-        train(_config(ns))
+        with stops_setup():  # until the first step: a stop signal ends it at once, saying so
+            with _starting():
+                from .train.run import train
+
+            train(_config(ns))
         return 0
     if ns.command == "plan":
         from .planner import run_plan
@@ -431,6 +434,7 @@ def _data_config(ns):
 
 def main(argv: list[str] | None = None) -> None:
     from .runtime.openmp import shorten_spin
+    from .runtime.signals import StoppedInSetup
 
     shorten_spin()  # the process's entry, before anything imports torch (runtime/openmp.py)
     argv = sys.argv[1:] if argv is None else argv
@@ -452,6 +456,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("\nvramfit: interrupted", file=sys.stderr)
         sys.exit(130)
+    except StoppedInSetup as e:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"\nvramfit: {textwrap.fill(str(e), width=100)}", file=sys.stderr)
+        _close_process_group()
+        sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - another process's failure and a storage fault become a line here
         from .runtime.collectives import ProcessFailed
         from .runtime.storage import escaped_fault

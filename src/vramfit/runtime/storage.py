@@ -19,6 +19,8 @@ STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quot
                   errno.EFBIG: "a file reached the file size limit (ulimit -f)",
                   errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
                   errno.EPERM: "permission denied", errno.EIO: "an input/output error on the disk"}
+# errno -> what is wrong with the path itself (not the storage): a file where a folder must go.
+PATH_ERRNOS = {errno.EEXIST: "a file of that name is in the way", errno.ENOTDIR: "a file of that name is in the way"}
 PROBE_BYTES = 1 << 20
 # A folder name's limit on the file systems runs are written to (NAME_MAX, bytes, not characters).
 NAME_MAX_BYTES = 255
@@ -63,6 +65,12 @@ def exception_chain(error: BaseException) -> list[BaseException]:
         chain.append(e)
         e = e.__cause__ or e.__context__
     return chain
+
+
+def os_cause(error: OSError) -> str:
+    """What an OSError says about the storage or the path, in the words the messages use (the
+    storage's faults first, then a file in the way, then the system's own words)."""
+    return STORAGE_ERRNOS.get(error.errno) or PATH_ERRNOS.get(error.errno) or error.strerror or str(error)
 
 
 def errno_fault(error: BaseException) -> str | None:
