@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import class_tree, tiny_args, train_args, wait_for_lines
+from helpers import class_tree, last_weights, same_weights, tiny_args, train_args, wait_for_lines
 from vramfit.errors import VramfitError
 from vramfit.runtime import storage
+from vramfit.store import checkpoint
 
 
 @contextlib.contextmanager
@@ -129,6 +130,83 @@ def test_the_run_folder_removed_mid_run_stops_the_run_and_is_not_recreated(tmp_p
     assert proc.returncode == 2, err[-3000:]
     assert "was removed while the run was writing it" in flat and "HINT:" in flat and "Traceback" not in err
     assert not (tmp_path / "gone").exists()  # never silently rebuilt as if the run were whole
+
+
+# 10 steps, a checkpoint every 2: a fault lands between two saves within seconds.
+SHORT = tiny_args("--set", "data.limit_train_samples=160", "--set", "data.limit_val_samples=32",
+                  "--set", "checkpoint.every_steps=2", "--set", "train.log_every_steps=1")
+
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory):
+    """The uninterrupted run a run resumed after a storage fault must equal bit for bit."""
+    from vramfit.cli import run
+    from vramfit.runtime.launch import forget
+
+    out = tmp_path_factory.mktemp("ref")
+    try:
+        assert run(["train", *SHORT, "--output", str(out), "--run-name", "ref"]) == 0
+    finally:
+        forget()
+    return last_weights(out / "ref")
+
+
+def _until(check, proc, timeout=120.0):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not check():
+        time.sleep(0.01)
+    assert check(), "the run ended before the fault could land"
+
+
+def test_a_disk_filled_mid_run_stops_it_and_once_freed_the_same_command_resumes_bitwise(
+        tmp_path, train_cli, short_reference):
+    with full_disk(tmp_path / "disk", "24m") as disk:
+        args = ["train", *SHORT, "--output", str(disk), "--run-name", "full"]
+        proc = subprocess.Popen([sys.executable, "-m", "vramfit.cli", *args], cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _until(lambda: checkpoint.list_steps(disk / "full" / "checkpoints"), proc)
+            fill(disk)  # another program took the space, mid-run
+            _, err = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        flat = " ".join(err.split())
+        assert proc.returncode == 2, err[-3000:]
+        assert "the disk is full" in flat and "HINT:" in flat and "Traceback" not in err, err[-3000:]
+        saved = checkpoint.list_steps(disk / "full" / "checkpoints")
+        assert saved and saved[-1][0] < 10 and not list((disk / "full" / "checkpoints").glob(".tmp-*"))
+        (disk / "filler").unlink()  # space freed: the same command goes on from the newest checkpoint
+        run_dir, code = train_cli(*SHORT, run_name="full", output=disk)
+        assert code == 0
+        assert same_weights(short_reference, last_weights(run_dir))
+
+
+def test_the_output_folder_gone_mid_run_and_back_resumes_bitwise(tmp_path, train_cli, short_reference):
+    """--output moved away mid-run (a network disk dropped, a folder renamed by a script): the run
+    stops with the message, exit 2; once the folder is back, the same command resumes from its
+    newest complete checkpoint and ends bit for bit as the uninterrupted run."""
+    out, away = tmp_path / "runs", tmp_path / "away"
+    args = ["train", *SHORT, "--output", str(out), "--run-name", "moved"]
+    proc = subprocess.Popen([sys.executable, "-m", "vramfit.cli", *args], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _until(lambda: checkpoint.list_steps(out / "moved" / "checkpoints"), proc)
+        os.rename(out, away)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    flat = " ".join(err.split())
+    assert proc.returncode == 2, err[-3000:]
+    assert "was removed while the run was writing it" in flat and "HINT:" in flat and "Traceback" not in err
+    assert not out.exists()  # never recreated
+    os.rename(away, out)
+    run_dir, code = train_cli(*SHORT, run_name="moved", output=out)
+    assert code == 0
+    assert same_weights(short_reference, last_weights(run_dir))
 
 
 def test_a_run_name_longer_than_a_folder_name_is_refused_before_anything_runs(tmp_path, capsys):
