@@ -184,6 +184,33 @@ def test_a_disk_filled_mid_run_stops_it_and_once_freed_the_same_command_resumes_
         assert same_weights(short_reference, last_weights(run_dir))
 
 
+def test_tensorboards_writer_on_a_full_disk_is_told_once_and_the_checkpoint_resumes_bitwise(
+        tmp_path, train_cli, short_reference):
+    """TensorBoard writes its event file from a thread of its own, and its OSError names no file:
+    the run ends with vramfit's message naming the run folder (exit 2), no traceback from that
+    thread, and once space is freed the same command resumes from the checkpoint bit for bit."""
+    pytest.importorskip("tensorboard")
+    args = [*SHORT, "--tracker", "tensorboard"]
+    run_dir, code = train_cli(*args, "--set", "debug.signal_at_step=4", run_name="tb", output=tmp_path)
+    assert code == 143 and [s for s, _ in checkpoint.list_steps(run_dir / "checkpoints")] == [2, 4]
+    # TensorBoard's folder on a disk of its own, full: its writer is the one that meets it.
+    shutil.rmtree(run_dir / "tensorboard")
+    with full_disk(run_dir / "tensorboard", "2m") as disk:
+        fill(disk)
+        cmd = [sys.executable, "-m", "vramfit.cli", "train", *args, "--output", str(tmp_path), "--run-name", "tb"]
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        flat = " ".join(proc.stderr.split())
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert flat.count("vramfit: error:") == 1 and "the disk is full" in flat and "HINT:" in flat, flat[-3000:]
+        assert f"free under {disk}" in flat, flat[-800:]  # its own disk, named from the writer's file
+        assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr
+        assert checkpoint.is_complete(checkpoint.list_steps(run_dir / "checkpoints")[-1][1])
+        (disk / "filler").unlink()  # space freed: the same command goes on
+        run_dir, code = train_cli(*args, run_name="tb", output=tmp_path)
+        assert code == 0
+        assert same_weights(short_reference, last_weights(run_dir))
+
+
 def test_the_output_folder_gone_mid_run_and_back_resumes_bitwise(tmp_path, train_cli, short_reference):
     """--output moved away mid-run (a network disk dropped, a folder renamed by a script): the run
     stops with the message, exit 2; once the folder is back, the same command resumes from its

@@ -149,18 +149,37 @@ def write_error(error: BaseException, path: Path, what: str = "", need: int = 0)
                              "and re-run the same command")
 
 
-def escaped_fault(error: BaseException) -> VramfitError | None:
+def escaped_fault(error: BaseException, near: Path | None = None) -> VramfitError | None:
     """The user's error for an exception no writer caught (a library's own writer, TensorBoard's
     event file): a watched run folder that is gone, or an OSError with a storage errno in its
-    chain, told with its file; None when neither."""
+    chain, told with its file, or where the error names none (TensorBoard's writer thread's
+    doesn't), with the folder `near` it was writing in; None when neither."""
     oserrors = [e for e in exception_chain(error) if isinstance(e, OSError)]
     gone = next((root for root in _watched if not root.is_dir()), None)
     if oserrors and gone is not None:
         return run_folder_removed(gone)
     if errno_fault(error) is None:
         return None
-    where = next((Path(os.fsdecode(e.filename)) for e in oserrors if e.filename), Path.cwd())
-    return write_error(error, where)
+    named = next((Path(os.fsdecode(e.filename)) for e in oserrors if e.filename), None) or _raised_at(oserrors)
+    if named is None and near is not None:
+        return write_error(error, Path(near), "a file in the run folder")
+    return write_error(error, named or Path.cwd())
+
+
+def _raised_at(oserrors: list[OSError]) -> Path | None:
+    """The file an OSError without a filename was raised on, from the frame that raised it: a
+    file's close() (where a full disk shows with buffered writes) names none, while the writer's
+    frame holds the path it opened (TensorBoard's gfile: `filename`, as bytes)."""
+    for e in oserrors:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        local = tb.tb_frame.f_locals if tb is not None else {}
+        for name in ("filename", "path", "file_path", "name"):
+            value = local.get(name)
+            if isinstance(value, (str, bytes, os.PathLike)) and os.path.isabs(value):
+                return Path(os.fsdecode(value))
+    return None
 
 
 @contextlib.contextmanager
