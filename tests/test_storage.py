@@ -114,6 +114,57 @@ def test_an_onnx_export_on_a_full_disk_blames_the_disk_and_leaves_no_model_onnx(
         assert not list((disk / "export").glob("*.onnx*"))
 
 
+def test_a_torchscript_export_on_a_full_disk_is_told_not_an_abort(tmp_path, capsys):
+    """torch's C++ writer aborts the process on a full disk (SIGABRT, C++ frames): the model is
+    serialised in memory and written by the one writer, so it ends as every full disk does."""
+    from _trained_runs import trained_run
+    from vramfit.cli import main
+
+    run = trained_run("a")
+    with full_disk(tmp_path / "disk", "1m") as disk:
+        fill(disk)
+        with pytest.raises(SystemExit) as e:
+            main(["export", "--run", str(run.path), "--format", "torchscript", "--output", str(disk / "export")])
+        err = " ".join(capsys.readouterr().err.split())
+        assert e.value.code == 2 and "Could not write the TorchScript model" in err and "the disk is full" in err
+        assert "HINT:" in err and "Traceback" not in err and not list((disk / "export").iterdir())
+
+
+@pytest.mark.slow  # a trained run and a predict / an lr sweep in a new process
+def test_predict_csv_into_a_file_on_a_full_disk_names_the_standard_output(tmp_path):
+    from _trained_runs import trained_run
+
+    run = trained_run("a")
+    images = class_tree(tmp_path / "imgs", {"a": 40})
+    with full_disk(tmp_path / "disk", "1m") as disk:
+        fill(disk)
+        with open(disk / "labels.csv", "w") as out:
+            proc = subprocess.run([sys.executable, "-m", "vramfit.cli", "predict", "--run", str(run.path),
+                                   str(images), "--csv"], stdout=out, stderr=subprocess.PIPE, text=True, timeout=300)
+        err = " ".join(proc.stderr.split())
+        assert proc.returncode == 2, err[-2000:]
+        assert f"Could not write the standard output {disk / 'labels.csv'}: the disk is full; 0 bytes free under" in err
+        assert "HINT:" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # a trained run and a predict / an lr sweep in a new process
+def test_lr_find_plot_into_a_read_only_folder_says_permission_denied(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
+    args = tiny_args()
+    del args[args.index("--epochs"):args.index("--epochs") + 2]  # lr-find runs steps, not epochs
+    proc = subprocess.run([*drop, sys.executable, "-m", "vramfit.cli", "lr-find", *args, "--steps", "10",
+                           "--output", str(tmp_path / "runs"), "--plot", str(ro / "lr.png")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, err[-2000:]
+    assert f"Could not write the figure {ro / 'lr.png'}: permission denied. Everything saved" in err
+    assert "HINT:" in err and "fix the permissions" in err and "Traceback" not in err
+    assert list(ro.iterdir()) == []
+
+
 def test_the_run_folder_removed_mid_run_stops_the_run_and_is_not_recreated(tmp_path):
     args = ["train", *tiny_args("--epochs", "20", "--set", "train.log_every_steps=1"),
             "--output", str(tmp_path), "--run-name", "gone"]

@@ -463,9 +463,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - another process's failure and a storage fault become a line here
         from .runtime.collectives import ProcessFailed
-        from .runtime.storage import escaped_fault
+        from .runtime.storage import escaped_fault, full_stdout
 
-        told = escaped_fault(e)
+        told = escaped_fault(e, near=full_stdout(), what="the standard output")
         if told is not None:  # a library's own writer (TensorBoard's) hit a full disk or a removed folder
             _print_error(told)
         elif not isinstance(e, ProcessFailed):
