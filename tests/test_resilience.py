@@ -391,7 +391,8 @@ def test_a_stop_signal_while_the_run_is_set_up_says_so_and_the_saved_checkpoint_
     the run's checkpoint from before is untouched: the same command then resumes it bitwise."""
     run_dir, code = train_cli(*ARGS, "--set", "debug.signal_at_step=12", run_name="setup", output=tmp_path)
     assert code == 143
-    cmd = [sys.executable, "-m", "vramfit.cli", "train", *ARGS, "--output", str(tmp_path), "--run-name", "setup"]
+    cmd = [sys.executable, "-m", "vramfit.cli", "train", *ARGS, "--output", str(tmp_path),
+           "--run-name", "setup"]
     # HUP's stderr is a file: after a hangup, output into a terminal or a pipe is dropped.
     for signum, stage in ((signal.SIGTERM, "starting (importing torch"), (signal.SIGHUP, "reading the data"),
                           (signal.SIGINT, "building test_resnet")):
@@ -406,7 +407,8 @@ def test_a_stop_signal_while_the_run_is_set_up_says_so_and_the_saved_checkpoint_
                 if proc.poll() is None:
                     proc.kill()
         text = " ".join(err_file.read_text().split())
-        assert f"vramfit: stopped by {signal.Signals(signum).name} before training began" in text, text[-2000:]
+        said = f"vramfit: stopped by {signal.Signals(signum).name} before training began"
+        assert said in text, text[-2000:]
         assert "nothing to save" in text and "Traceback" not in text and "step 13/" not in text
         assert [s for s, _ in checkpoint.list_steps(run_dir / "checkpoints")] == [12]
     run_dir, code = train_cli(*ARGS, run_name="setup", output=tmp_path)

@@ -334,13 +334,7 @@ def run(argv: list[str]) -> int:
     if ns.command in ("train", "eval", "predict", "scan-data", "prepare", "lr-find", "doctor"):
         _writable_caches(ns)
     if ns.command == "train":
-        from .runtime.signals import stops_setup
-
-        with stops_setup():  # until the first step: a stop signal ends it at once, saying so
-            with _starting():
-                from .train.run import train
-
-            train(_config(ns))
+        _train(ns)
         return 0
     if ns.command == "plan":
         from .planner import run_plan
@@ -411,6 +405,16 @@ def run(argv: list[str]) -> int:
         lr_find(_config(ns), ns.steps, ns.start_lr, ns.end_lr, ns.plot)
         return 0
     return 2
+
+
+def _train(ns) -> None:
+    from .runtime.signals import stops_setup
+
+    with stops_setup():  # until the first step: a stop signal ends it at once, saying so
+        with _starting():
+            from .train.run import train
+
+        train(_config(ns))
 
 
 def _writable_caches(ns) -> None:

@@ -102,7 +102,8 @@ class ProgressiveResize(Section):
     @model_validator(mode="after")
     def _fractions(self):
         if self.delay_fraction + self.finetune_fraction > 1.0:
-            raise Refused(f"delay_fraction + finetune_fraction is {self.delay_fraction + self.finetune_fraction:g}, "
+            total = self.delay_fraction + self.finetune_fraction
+            raise Refused(f"delay_fraction + finetune_fraction is {total:g}, "
                           "over 1: they are the shares of the steps before the ramp and after it",
                           hint="lower one of them so that the two add up to 1 at most, e.g. --set "
                                "data.progressive_resize.delay_fraction=0.5 --set "
@@ -326,8 +327,8 @@ class Config(Section):
         if v is not None and len(v.encode()) > NAME_MAX_BYTES:
             raise Refused(f"run_name is {len(v.encode())} bytes long ({len(v)} characters); a folder name "
                           f"holds at most {NAME_MAX_BYTES} bytes",
-                          hint=f"give a --run-name of at most {NAME_MAX_BYTES} bytes (a letter such as é takes "
-                               "2), or leave it out: the default name always fits")
+                          hint=f"give a --run-name of at most {NAME_MAX_BYTES} bytes (a letter such as é "
+                               "takes 2), or leave it out: the default name always fits")
         return v
 
     @model_validator(mode="after")
@@ -559,7 +560,8 @@ def _explain(err: ValidationError) -> VramfitError:
         example = f", e.g. --set {key}={_yaml_value(default)} (the default)" if default is not None else ""
         hints.append(f"give {key} {' or '.join(musts)}{example}")
     return VramfitError("Invalid configuration: " + "; ".join(lines) + ".",
-                        hint="; ".join(dict.fromkeys(hints)) or "see docs/recipes.md for the keys and their types")
+                        hint="; ".join(dict.fromkeys(hints))
+                        or "see docs/recipes.md for the keys and their types")
 
 
 # pydantic's value errors: what the value must be (a constraint's limit from the error's context).

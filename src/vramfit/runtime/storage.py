@@ -22,7 +22,8 @@ STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quot
                   errno.EPERM: "permission denied", errno.EIO: "an input/output error on the disk"}
 ACCESS_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)  # the storage refuses, whatever its free space
 # errno -> what is wrong with the path itself (not the storage): a file where a folder must go.
-PATH_ERRNOS = {errno.EEXIST: "a file of that name is in the way", errno.ENOTDIR: "a file of that name is in the way"}
+PATH_ERRNOS = {errno.EEXIST: "a file of that name is in the way",
+               errno.ENOTDIR: "a file of that name is in the way"}
 PROBE_BYTES = 1 << 20
 # A folder name's limit on the file systems runs are written to (NAME_MAX, bytes, not characters).
 NAME_MAX_BYTES = 255
@@ -168,7 +169,8 @@ def escaped_fault(error: BaseException, near: Path | None = None, what: str = "a
         return run_folder_removed(gone)
     if errno_fault(error) is None:
         return None
-    named = next((Path(os.fsdecode(e.filename)) for e in oserrors if e.filename), None) or _raised_at(oserrors)
+    named = next((Path(os.fsdecode(e.filename)) for e in oserrors if e.filename), None)
+    named = named or _raised_at(oserrors)
     if named is None and near is not None:
         return write_error(error, Path(near), what)
     return write_error(error, named or Path.cwd())
@@ -373,7 +375,8 @@ def full_stdout() -> Path | None:
     except OSError:  # not Linux's /proc, or no standard output
         return None
     limit = _file_size_limit()
-    if st.f_bavail * st.f_frsize < PROBE_BYTES or limit is not None and path.stat().st_size >= limit - PROBE_BYTES:
+    at_limit = limit is not None and path.stat().st_size >= limit - PROBE_BYTES
+    if st.f_bavail * st.f_frsize < PROBE_BYTES or at_limit:
         return path
     return None
 

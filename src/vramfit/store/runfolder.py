@@ -217,7 +217,7 @@ def locked(paths: RunPaths):
         storage.watch(paths.dir)
         try:
             yield
-        except Exception as e:  # noqa: BLE001 - a library's own writer (TensorBoard's) failed in the run folder
+        except Exception as e:  # noqa: BLE001 - a library's own writer (TensorBoard's) failed in the folder
             told = storage.escaped_fault(e, near=paths.dir)
             if told is None or told is e:
                 raise

@@ -274,7 +274,7 @@ class Trainer:
                   **_memory_figures(self.L.acc.device)}
         try:
             self.runlog.log(record, st.global_step)
-        except Exception as e:  # noqa: BLE001 - only the main process writes: the others are told, not left waiting
+        except Exception as e:  # noqa: BLE001 - only the main process writes: the others are told, not left
             if world_size() == 1:
                 raise
             self.unwritten = e
