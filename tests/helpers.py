@@ -183,6 +183,17 @@ def wait_for_lines(path: Path, lines: int, timeout: float = 120.0) -> None:
     assert path.exists() and len(path.read_text().splitlines()) >= lines, f"{path}: not {lines} lines in {timeout} s"
 
 
+def wait_for_text(path: Path, text: str, timeout: float = 120.0) -> None:
+    """Until a command in another process has written `text` into `path` (its stderr, as a file):
+    the moment a test may signal it in a given stage."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (path.exists() and text in path.read_text(errors="replace")):
+        time.sleep(0.02)
+    assert path.exists() and text in path.read_text(errors="replace"), f"{path}: no {text!r} in {timeout} s"
+
+
 def bench_module(name: str):
     """bench/NAME.py, loaded as the module `bench_NAME` (the benches import each other by name, and
     a dataclass looks its module up in sys.modules)."""

@@ -327,3 +327,37 @@ def test_train_takes_pretrained_and_workers_flags_above_set_and_recipe():
         with pytest.raises(SystemExit) as e:
             parser().parse_args(["train", "--workers", bad])
         assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv, cause, fix", [
+    (["--run-name", "r" * 256],
+     "run_name is 256 bytes long (256 characters); a folder name holds at most 255 bytes",
+     "HINT: give a --run-name of at most 255 bytes"),
+    (["--set", "train.epochs=0"], "`train.epochs`: Input should be greater than or equal to 1 (got 0)",
+     "HINT: give train.epochs a value of at least 1, e.g. --set train.epochs=10 (the default)"),
+    (["--set", "model.drop_rate=1"], "`model.drop_rate`: Input should be less than 1",
+     "HINT: give model.drop_rate a value below 1.0, e.g. --set model.drop_rate=0.0 (the default)"),
+    (["--set", "train.precision=fp8"], "(got 'fp8')",
+     "HINT: give train.precision one of 'auto', 'fp32', 'bf16' or 'fp16', e.g. --set train.precision=auto"),
+    (["--set", "optim.lr=fast"], "`optim.lr`: Input should be a valid number",
+     "HINT: give optim.lr a number, e.g. --set optim.lr=0.001 (the default)"),
+    (["--set", "train.micro_batch=big"], "(got 'big')",
+     "HINT: give train.micro_batch a whole number or one of 'auto'"),
+    (["--set", "data.progressive_resize.delay_fraction=0.9"],
+     "delay_fraction + finetune_fraction is 1.1, over 1",
+     "HINT: lower one of them so that the two add up to 1 at most"),
+    (["--set", "data.num_workers=99"], "takes `auto` or a whole number from 0 to 64, not 99",
+     "HINT: e.g. --workers auto"),
+])
+def test_each_refused_value_says_its_own_limit_and_fix(argv, cause, fix, capsys, tmp_path, monkeypatch):
+    """A value a check refuses names what was wrong and the limit, and its HINT how to fix that
+    value (never only the generic pointer to the docs)."""
+    from vramfit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--output", str(tmp_path / "runs"), *argv])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and cause in err and fix in err and "Traceback" not in err, err[-2000:]
+    assert "see docs/recipes.md for the keys" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -368,3 +368,31 @@ def test_two_processes_launched_by_hand_and_a_second_later_equal_torchrun(folder
     assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     assert f"waiting for 1 of 2 processes at 127.0.0.1:{port} (rank 0 here)" in errs[0]
     assert _close(_final(micro_4), _final(tmp_path / "byhand"))
+
+
+def test_the_run_folder_removed_under_two_processes_ends_both_with_the_message(tmp_path):
+    """`rm -rf` of the run folder while 2 processes train: the main process, which writes the record,
+    meets it; the other learns it at the next step's vote instead of waiting in it. Both exit 2,
+    the message once, no traceback of ours, no hang (bounded by the timeout)."""
+    import shutil
+
+    from helpers import tiny_args, wait_for_lines
+
+    args = [str(REPO / "train.py"), *tiny_args("--epochs", "3", "--set", "train.log_every_steps=1"),
+            "--output", str(tmp_path), "--run-name", "gone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_lines(tmp_path / "gone" / "metrics.jsonl", 3)
+        shutil.rmtree(tmp_path / "gone")
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    flat = " ".join(err.split())
+    # torchrun exits 1 and names each worker's own exit code
+    assert proc.returncode == 1 and err.count("exitcode  : 2 ") == 2, err[-4000:]
+    assert flat.count("was removed while the run was writing it") == 1 and "HINT:" in flat
+    assert "src/vramfit" not in err and "[rank1]" not in err  # torchrun's report follows, no frame of ours
+    assert not (tmp_path / "gone").exists()

@@ -95,7 +95,7 @@ def test_read_only_output_is_said_before_anything_loads(tmp_path):
                            "--run-name", "t"], capture_output=True, text=True, timeout=300)
     code, err = proc.returncode, " ".join(proc.stderr.split())
     assert code == 2
-    assert f"Cannot write into --output {out}: it is not writable." in err and "HINT:" in err, err[-2000:]
+    assert f"Cannot write into --output {out}: permission denied." in err and "HINT:" in err, err[-2000:]
     assert "Traceback" not in err and "classes" not in err  # stopped before the data was loaded
     assert list(out.iterdir()) == []
 

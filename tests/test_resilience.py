@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import tiny_args, wait_for_lines
+from helpers import last_weights, same_weights, tiny_args, wait_for_lines, wait_for_text
 from vramfit.store import checkpoint
 
 
@@ -382,6 +382,39 @@ def test_signal_during_evaluation_saves_the_trained_epoch(train_cli, reference):
     assert _same(_weights(reference), _weights(run_dir))
     assert _losses(run_dir) == _losses(reference)
     assert _evals(run_dir) == _evals(reference)
+
+
+def test_a_stop_signal_while_the_run_is_set_up_says_so_and_the_saved_checkpoint_resumes(train_cli, reference,
+                                                                                         tmp_path):
+    """A stop signal before the first step (torch loading, the data read, the model built) has no
+    step to save: the command ends at once with a line saying so, 128 + signal, no traceback, and
+    the run's checkpoint from before is untouched: the same command then resumes it bitwise."""
+    run_dir, code = train_cli(*ARGS, "--set", "debug.signal_at_step=12", run_name="setup", output=tmp_path)
+    assert code == 143
+    cmd = [sys.executable, "-m", "vramfit.cli", "train", *ARGS, "--output", str(tmp_path),
+           "--run-name", "setup"]
+    # HUP's stderr is a file: after a hangup, output into a terminal or a pipe is dropped.
+    for signum, stage in ((signal.SIGTERM, "starting (importing torch"), (signal.SIGHUP, "reading the data"),
+                          (signal.SIGINT, "building test_resnet")):
+        err_file = tmp_path / f"err-{signum}.txt"
+        with open(err_file, "w") as err:
+            proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
+            try:
+                wait_for_text(err_file, stage)
+                os.kill(proc.pid, signum)
+                assert proc.wait(timeout=60) == 128 + signum
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        text = " ".join(err_file.read_text().split())
+        said = f"vramfit: stopped by {signal.Signals(signum).name} before training began"
+        assert said in text, text[-2000:]
+        assert "nothing to save" in text and "Traceback" not in text and "step 13/" not in text
+        assert [s for s, _ in checkpoint.list_steps(run_dir / "checkpoints")] == [12]
+    run_dir, code = train_cli(*ARGS, run_name="setup", output=tmp_path)
+    assert code == 0
+    assert same_weights(last_weights(reference), last_weights(run_dir))
+    assert _losses(run_dir) == _losses(reference)
 
 
 def _evals(run_dir):

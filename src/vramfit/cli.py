@@ -334,10 +334,7 @@ def run(argv: list[str]) -> int:
     if ns.command in ("train", "eval", "predict", "scan-data", "prepare", "lr-find", "doctor"):
         _writable_caches(ns)
     if ns.command == "train":
-        with _starting():
-            from .train.run import train
-
-        train(_config(ns))
+        _train(ns)
         return 0
     if ns.command == "plan":
         from .planner import run_plan
@@ -410,6 +407,16 @@ def run(argv: list[str]) -> int:
     return 2
 
 
+def _train(ns) -> None:
+    from .runtime.signals import stops_setup
+
+    with stops_setup():  # until the first step: a stop signal ends it at once, saying so
+        with _starting():
+            from .train.run import train
+
+        train(_config(ns))
+
+
 def _writable_caches(ns) -> None:
     """Caches under a read-only or full HOME move to a writable folder (caches.redirect_unwritable):
     under the training output for `train`, a per-user temporary folder otherwise."""
@@ -431,6 +438,7 @@ def _data_config(ns):
 
 def main(argv: list[str] | None = None) -> None:
     from .runtime.openmp import shorten_spin
+    from .runtime.signals import StoppedInSetup
 
     shorten_spin()  # the process's entry, before anything imports torch (runtime/openmp.py)
     argv = sys.argv[1:] if argv is None else argv
@@ -452,11 +460,16 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("\nvramfit: interrupted", file=sys.stderr)
         sys.exit(130)
+    except StoppedInSetup as e:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"\nvramfit: {textwrap.fill(str(e), width=100)}", file=sys.stderr)
+        _close_process_group()
+        sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - another process's failure and a storage fault become a line here
         from .runtime.collectives import ProcessFailed
-        from .runtime.storage import escaped_fault
+        from .runtime.storage import escaped_fault, full_stdout
 
-        told = escaped_fault(e)
+        told = escaped_fault(e, near=full_stdout(), what="the standard output")
         if told is not None:  # a library's own writer (TensorBoard's) hit a full disk or a removed folder
             _print_error(told)
         elif not isinstance(e, ProcessFailed):

@@ -29,6 +29,15 @@ def normalize_precision(value):
     return _PRECISION_ALIASES.get(str(value).lower(), value) if isinstance(value, (str, int)) else value
 
 
+class Refused(ValueError):
+    """A value check's refusal: the message says what is wrong and the limit, `hint` how to fix it
+    (the CLI's HINT line; see `_explain`)."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -66,8 +75,8 @@ class ModelConfig(Section):
     def _precise_bn_count(cls, v):
         if isinstance(v, bool) or isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
             # `true` would read as 1: statistics of a single image, which wreck every BatchNorm
-            raise ValueError(f"model.precise_bn takes a number of train images (0: off), not {v!r}: "
-                             "for example model.precise_bn=2048")
+            raise Refused(f"model.precise_bn takes a number of train images (0: off), not {v!r}",
+                          hint="give a count, e.g. --set model.precise_bn=2048 (or 0 for off)")
         return v
     # Exponential moving average of the weights (timm ModelEmaV3, with decay warmup); evaluated and
     # exported instead of the raw weights when set. Typical: 0.999 for fine-tuning.
@@ -93,9 +102,12 @@ class ProgressiveResize(Section):
     @model_validator(mode="after")
     def _fractions(self):
         if self.delay_fraction + self.finetune_fraction > 1.0:
-            raise ValueError(f"delay_fraction + finetune_fraction is {self.delay_fraction + self.finetune_fraction:g}, "
-                             "over 1: they are the shares of the steps before the ramp and after it; "
-                             "lower one of them")
+            total = self.delay_fraction + self.finetune_fraction
+            raise Refused(f"delay_fraction + finetune_fraction is {total:g}, "
+                          "over 1: they are the shares of the steps before the ramp and after it",
+                          hint="lower one of them so that the two add up to 1 at most, e.g. --set "
+                               "data.progressive_resize.delay_fraction=0.5 --set "
+                               "data.progressive_resize.finetune_fraction=0.2")
         return self
 
 
@@ -168,7 +180,9 @@ class DataConfig(Section):
     @classmethod
     def _workers(cls, v):
         if isinstance(v, int) and not 0 <= v <= 64:
-            raise ValueError(f"data.num_workers takes `auto` or a whole number from 0 to 64, not {v}")
+            raise Refused(f"data.num_workers takes `auto` or a whole number from 0 to 64, not {v}",
+                          hint="e.g. --workers auto (sized to the cores) or --workers 4 (0: load in the "
+                               "training process)")
         return v
 
 
@@ -216,7 +230,8 @@ class TrainConfig(Section):
     @classmethod
     def _positive(cls, v):
         if isinstance(v, int) and v < 1:
-            raise ValueError("micro_batch must be >= 1 (or `auto`)")
+            raise Refused(f"micro_batch must be >= 1 (or `auto`), not {v}",
+                          hint="e.g. --micro-batch auto (the largest that fits) or --micro-batch 16")
         return v
 
 
@@ -313,24 +328,30 @@ class Config(Section):
     def _one_folder_name(cls, v):
         # The run folder is --output/run_name: a name with a path in it would write elsewhere.
         if v is not None and (not v.strip() or v in (".", "..") or "/" in v or "\\" in v or "\0" in v):
-            raise ValueError(f"run_name {v!r} must be one folder name (no `/`, not `.` or `..`): "
-                             "the run folder is --output/<run_name>; put the path in --output")
+            raise Refused(f"run_name {v!r} must be one folder name (no `/`, not `.` or `..`): "
+                          "the run folder is --output/<run_name>",
+                          hint="put the path in --output and the last folder's name in --run-name, e.g. "
+                               "--output runs/cats --run-name first")
         from .runtime.storage import NAME_MAX_BYTES
 
         if v is not None and len(v.encode()) > NAME_MAX_BYTES:
-            raise ValueError(f"run_name is {len(v.encode())} bytes long ({len(v)} characters); a folder name "
-                             f"holds at most {NAME_MAX_BYTES} bytes: give a shorter --run-name")
+            raise Refused(f"run_name is {len(v.encode())} bytes long ({len(v)} characters); a folder name "
+                          f"holds at most {NAME_MAX_BYTES} bytes",
+                          hint=f"give a --run-name of at most {NAME_MAX_BYTES} bytes (a letter such as é "
+                               "takes 2), or leave it out: the default name always fits")
         return v
 
     @model_validator(mode="after")
     def _check(self):
         if self.model.pretrained and self.model.pretrained_path:
-            raise ValueError("model.pretrained and model.pretrained_path are exclusive: pick one")
+            raise Refused("model.pretrained and model.pretrained_path are exclusive",
+                          hint="keep one: --no-pretrained with model.pretrained_path=FILE, or "
+                               "--pretrained without model.pretrained_path")
         if self.staged_epochs and self.staged_epochs >= self.train.epochs:
-            raise ValueError(f"train.freeze_epochs ({self.train.freeze_epochs}) must be fewer than train.epochs "
-                             f"({self.train.epochs}): the epochs after it train the whole network; use "
-                             f"--set train.freeze_epochs={max(1, self.train.epochs // 4) if self.train.epochs > 1 else 0} "
-                             "or more --epochs")
+            fewer = max(1, self.train.epochs // 4) if self.train.epochs > 1 else 0
+            raise Refused(f"train.freeze_epochs ({self.train.freeze_epochs}) must be fewer than train.epochs "
+                          f"({self.train.epochs}): the epochs after it train the whole network",
+                          hint=f"use --set train.freeze_epochs={fewer} or more --epochs")
         return self
 
     @property
@@ -522,7 +543,7 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
 
 
 def _explain(err: ValidationError) -> VramfitError:
-    lines, hints = [], []
+    lines, hints, fixes = [], [], {}
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
         if e["type"] == "extra_forbidden":
@@ -535,12 +556,69 @@ def _explain(err: ValidationError) -> VramfitError:
                 hints.append(f"did you mean `{prefix + '.' if prefix else ''}{close[0]}`?")
             else:
                 hints.append(f"valid keys{' in `' + prefix + '`' if prefix else ''}: {', '.join(valid)}")
-        elif not loc and e["type"] == "value_error":  # a rule over several keys: its message says it all
-            lines.append(e["msg"].removeprefix("Value error, "))
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        given = repr(e.get("input"))
+        lines.append(msg if not loc and e["type"] == "value_error"  # a rule over several keys: it says it all
+                     else f"`{loc}`: {msg} (got {given if len(given) <= 80 else given[:60] + '...'})")
+        refused = (e.get("ctx") or {}).get("error")
+        if isinstance(refused, Refused):
+            hints.append(refused.hint)
         else:
-            lines.append(f"`{loc}`: {e['msg']} (got {e.get('input')!r})")
+            _add_fix(fixes, e)
+    for key, (musts, default) in fixes.items():  # a union's members (int or `auto`) in one hint
+        example = f", e.g. --set {key}={_yaml_value(default)} (the default)" if default is not None else ""
+        hints.append(f"give {key} {' or '.join(musts)}{example}")
     return VramfitError("Invalid configuration: " + "; ".join(lines) + ".",
-                        hint=" ".join(hints) or "see docs/recipes.md for the keys and their types")
+                        hint="; ".join(dict.fromkeys(hints))
+                        or "see docs/recipes.md for the keys and their types")
+
+
+# pydantic's value errors: what the value must be (a constraint's limit from the error's context).
+_LIMITS = {"greater_than_equal": ("ge", "a value of at least {}"), "greater_than": ("gt", "a value above {}"),
+           "less_than_equal": ("le", "a value of at most {}"), "less_than": ("lt", "a value below {}"),
+           "literal_error": ("expected", "one of {}")}
+_KINDS = {"int_parsing": "a whole number", "int_from_float": "a whole number", "int_type": "a whole number",
+          "float_parsing": "a number", "float_type": "a number", "bool_parsing": "true or false",
+          "bool_type": "true or false", "string_type": "text", "list_type": "a list",
+          "tuple_type": "a pair of numbers", "dict_type": "keys under it (a section)"}
+
+
+def _add_fix(fixes: dict, e: dict) -> None:
+    """What one refused value must be instead, under its field's key, with the field's default."""
+    key, default = _field_at(e["loc"])
+    if key is None:
+        return
+    if e["type"] in _LIMITS:
+        name, text = _LIMITS[e["type"]]
+        must = text.format((e.get("ctx") or {}).get(name))
+    elif e["type"] in _KINDS:
+        must = _KINDS[e["type"]]
+    else:
+        return
+    musts = fixes.setdefault(key, ([], default))[0]
+    if must not in musts:
+        musts.append(must)
+
+
+def _field_at(loc: tuple) -> tuple[str | None, Any]:
+    """The dotted key of the config field an error's location names (a union's member or a list's
+    index dropped) and the field's default; (None, None) where it names none."""
+    model: type[BaseModel] = Config
+    for i, part in enumerate(loc):
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None, None
+        section = next((a for a in (field.annotation, *typing.get_args(field.annotation))
+                        if isinstance(a, type) and issubclass(a, BaseModel)), None)  # also `Section | None`
+        if section is None or i == len(loc) - 1:
+            return ".".join(str(x) for x in loc[:i + 1]), field.get_default(call_default_factory=True)
+        model = section
+    return None, None
+
+
+def _yaml_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def build_config(recipe: str | None = None, sets: list[str] | None = None,

@@ -3,6 +3,7 @@ best model as deployable files with a model card, or pushed to the Hugging Face 
 
 from __future__ import annotations
 
+import io
 import sys
 import warnings
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import torch
 
 from ..errors import VramfitError
-from ..runtime.storage import atomic_files, atomic_path, make_folder, tensor_bytes, write_json, write_text
+from ..runtime.storage import (atomic_files, atomic_path, make_folder, tensor_bytes, write_bytes, write_json,
+                               write_text)
 from .trained import TrainedModel
 
 FORMATS = ("onnx", "torchscript", "safetensors")
@@ -94,8 +96,11 @@ def write_torchscript(tm: TrainedModel, dest: Path) -> Path:
         warnings.simplefilter("ignore", FutureWarning)
         with torch.inference_mode(False), torch.no_grad():
             traced = torch.jit.trace(model, example_input(tm))
-        with atomic_path(path, "the TorchScript model") as tmp:
-            traced.save(str(tmp))
+        # Into memory first: torch's C++ file writer aborts the whole process on a full disk (its
+        # destructor throws); a Python write fails with an errno that storage tells.
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer)
+    write_bytes(path, buffer.getvalue(), "the TorchScript model")
     return path
 
 

@@ -14,6 +14,8 @@ import enum
 import torch
 import torch.distributed as dist
 
+from .signals import STOP_SIGNALS
+
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to this
 
@@ -27,16 +29,6 @@ class Status(enum.IntEnum):
     NONFINITE = 3
     STOP = 4  # a signal arrived: undo the step, save, exit
     ERROR = 5  # an exception other than OOM on some process: every process stops
-
-
-# The signals that mean "stop this job": each saves the last completed step, then exits 128 + signal.
-# TERM: kill, docker stop, Kubernetes, Slurm's scancel and time limit, PBS's qdel and walltime; INT:
-# Ctrl-C, LSF's bkill; HUP: a closed terminal or a dropped ssh session; USR1 and USR2: Slurm's
-# `--signal` (USR1 by default), Grid Engine's `-notify` (USR1 before a suspend, USR2 before a kill),
-# LSF's run limit (USR2); XCPU: a CPU-time limit (ulimit -t, Grid Engine's s_cpu, LSF's CPULIMIT).
-# QUIT (Ctrl-\) is left to its default on purpose: the one way to stop at once without saving
-# when a save itself hangs (the last complete checkpoint is kept, checkpoints being atomic).
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")
 
 
 def world_size() -> int:

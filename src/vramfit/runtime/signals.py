@@ -8,8 +8,15 @@ import signal
 import stat
 import sys
 
-from .collectives import STOP_SIGNALS
-
+# The signals that mean "stop this job": each saves the last completed step, then exits 128 + signal
+# (before the first step, while the run is set up, there is nothing to save: it ends at once).
+# TERM: kill, docker stop, Kubernetes, Slurm's scancel and time limit, PBS's qdel and walltime; INT:
+# Ctrl-C, LSF's bkill; HUP: a closed terminal or a dropped ssh session; USR1 and USR2: Slurm's
+# `--signal` (USR1 by default), Grid Engine's `-notify` (USR1 before a suspend, USR2 before a kill),
+# LSF's run limit (USR2); XCPU: a CPU-time limit (ulimit -t, Grid Engine's s_cpu, LSF's CPULIMIT).
+# QUIT (Ctrl-\) is left to its default on purpose: the one way to stop at once without saving
+# when a save itself hangs (the last complete checkpoint is kept, checkpoints being atomic).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -55,6 +62,49 @@ def drop_lost_output() -> None:
         os.close(null)
 
 
+class StoppedInSetup(BaseException):
+    """A stop signal before the first step. Not an Exception, as KeyboardInterrupt is not: a
+    library's `except Exception` (an optional import tried, a cache write attempted) must not
+    swallow it."""
+
+    def __init__(self, signum: int):
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        super().__init__(f"stopped by {name} before training began (while the run was being set up): no step "
+                         "was trained, so there is nothing to save; checkpoints saved before are kept.")
+        self.exit_code = 128 + int(signum)
+
+
+def _stop_setup(signum, _frame) -> None:
+    if signum == getattr(signal, "SIGHUP", None):
+        drop_lost_output()
+    raise StoppedInSetup(signum)
+
+
+_before_training: dict = {}  # signal -> its handler before `stops_setup` (what the trainer's flag restores)
+
+
+@contextlib.contextmanager
+def stops_setup():
+    """While a run is set up (torch loading, the data read, the model built, the fit measured), a
+    stop signal ends the command at once with a line saying so (`StoppedInSetup`), instead
+    of the signal's silent default. The trainer's `SignalFlag` takes over from it at the first step.
+    Raised from the handler as Python raises KeyboardInterrupt, so the run folder's lock and every
+    half-written temporary file are let go on the way out."""
+    for name in STOP_SIGNALS:
+        s = getattr(signal, name, None)
+        if s is not None:
+            _before_training[s] = signal.signal(s, _stop_setup)
+    try:
+        yield
+    finally:
+        for s, h in _before_training.items():
+            signal.signal(s, h)
+        _before_training.clear()
+
+
 class SignalFlag:
     def __init__(self):
         self.signum = 0
@@ -64,7 +114,9 @@ class SignalFlag:
         for name in STOP_SIGNALS:
             s = getattr(signal, name, None)
             if s is not None:
-                self._old[s] = signal.signal(s, self._handle)
+                old = signal.signal(s, self._handle)
+                # After the run, a signal is no longer one that stopped its set-up.
+                self._old[s] = _before_training.get(s, old) if old is _stop_setup else old
         return self
 
     def _handle(self, signum, _frame) -> None:

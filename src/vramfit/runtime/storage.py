@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from ..errors import VramfitError
@@ -19,18 +20,24 @@ STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quot
                   errno.EFBIG: "a file reached the file size limit (ulimit -f)",
                   errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
                   errno.EPERM: "permission denied", errno.EIO: "an input/output error on the disk"}
+ACCESS_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)  # the storage refuses, whatever its free space
+# errno -> what is wrong with the path itself (not the storage): a file where a folder must go.
+PATH_ERRNOS = {errno.EEXIST: "a file of that name is in the way",
+               errno.ENOTDIR: "a file of that name is in the way"}
 PROBE_BYTES = 1 << 20
 # A folder name's limit on the file systems runs are written to (NAME_MAX, bytes, not characters).
 NAME_MAX_BYTES = 255
 
 
-def storage_fault(error: BaseException, root: Path, written: Path | None = None, need: int = 0) -> str | None:
+def storage_fault(error: BaseException, root: Path, written: Path | None = None, need: int = 0,
+                  name_file: bool = True) -> str | None:
     """What about the storage under `root` made `error` happen, or None when the storage is fine
     (the error is the program's). Checked in order: an OSError with a storage errno anywhere in the
     exception's chain; a file in `written` that reached the file size limit; a write probe that
     fails; free space under one probe, or under the `need` bytes the write was to take (a writer
-    that removes its partial file, such as safetensors', leaves room for the probe)."""
-    cause = errno_fault(error)
+    that removes its partial file, such as safetensors', leaves room for the probe). `name_file`:
+    the errno's file in brackets (not where the caller names the file itself)."""
+    cause = errno_fault(error, name_file)
     if cause is not None:
         return cause
     limit = _file_size_limit()
@@ -65,11 +72,17 @@ def exception_chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
-def errno_fault(error: BaseException) -> str | None:
+def os_cause(error: OSError) -> str:
+    """What an OSError says about the storage or the path, in the words the messages use (the
+    storage's faults first, then a file in the way, then the system's own words)."""
+    return STORAGE_ERRNOS.get(error.errno) or PATH_ERRNOS.get(error.errno) or error.strerror or str(error)
+
+
+def errno_fault(error: BaseException, name_file: bool = True) -> str | None:
     """The storage fault an OSError anywhere in `error`'s chain names by its errno, or None."""
     for e in exception_chain(error):
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
-            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+            where = f" ({e.filename})" if name_file and getattr(e, "filename", None) else ""
             return STORAGE_ERRNOS[e.errno] + where
     return None
 
@@ -132,27 +145,50 @@ def write_error(error: BaseException, path: Path, what: str = "", need: int = 0)
     if root is not None:
         return run_folder_removed(root)
     where = _existing(path.parent)
-    cause = storage_fault(error, where, path if path.is_dir() else None, need)
+    cause = storage_fault(error, where, path if path.is_dir() else None, need, name_file=False)
     if cause is None:
         return None
-    return VramfitError(f"Could not write {what + ' ' if what else ''}{path}: {cause}{free_space(where)}. "
+    # The free space, where the space may be the cause (not for a permission or a read-only disk).
+    access = any(isinstance(e, OSError) and e.errno in ACCESS_ERRNOS for e in exception_chain(error))
+    return VramfitError(f"Could not write {what + ' ' if what else ''}{path}: {cause}"
+                        f"{'' if access else free_space(where)}. "
                         "Everything saved before it is kept.",
                         hint="free space (or raise the limit, fix the permissions, or pick another --output) "
                              "and re-run the same command")
 
 
-def escaped_fault(error: BaseException) -> VramfitError | None:
+def escaped_fault(error: BaseException, near: Path | None = None, what: str = "a file in the run folder"
+                  ) -> VramfitError | None:
     """The user's error for an exception no writer caught (a library's own writer, TensorBoard's
     event file): a watched run folder that is gone, or an OSError with a storage errno in its
-    chain, told with its file; None when neither."""
+    chain, told with its file, or where the error names none (TensorBoard's writer thread's
+    doesn't), with the file or folder `near` it was writing (`what` names it); None when neither."""
     oserrors = [e for e in exception_chain(error) if isinstance(e, OSError)]
     gone = next((root for root in _watched if not root.is_dir()), None)
     if oserrors and gone is not None:
         return run_folder_removed(gone)
     if errno_fault(error) is None:
         return None
-    where = next((Path(os.fsdecode(e.filename)) for e in oserrors if e.filename), Path.cwd())
-    return write_error(error, where)
+    named = next((Path(os.fsdecode(e.filename)) for e in oserrors if e.filename), None)
+    named = named or _raised_at(oserrors)
+    if named is None and near is not None:
+        return write_error(error, Path(near), what)
+    return write_error(error, named or Path.cwd())
+
+
+def _raised_at(oserrors: list[OSError]) -> Path | None:
+    """The file an OSError without a filename was raised on, from the frame that raised it: a
+    file's close() (where a full disk shows with buffered writes) names none, while the writer's
+    frame holds the path it opened (TensorBoard's gfile: `filename`, as bytes)."""
+    for e in oserrors:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        local = tb.tb_frame.f_locals if tb is not None else {}
+        value = local.get("filename")
+        if isinstance(value, (str, bytes, os.PathLike)) and os.path.isabs(value):
+            return Path(os.fsdecode(value))
+    return None
 
 
 @contextlib.contextmanager
@@ -326,6 +362,23 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def full_stdout() -> Path | None:
+    """Standard output when it is a file (`> out.csv`) on a disk with no room left (or over the file
+    size limit): the place a write that names no file failed, if any."""
+    try:
+        if not stat.S_ISREG(os.fstat(1).st_mode):
+            return None
+        path = Path(os.readlink("/proc/self/fd/1"))
+        st = os.fstatvfs(1)
+    except OSError:  # not Linux's /proc, or no standard output
+        return None
+    limit = _file_size_limit()
+    at_limit = limit is not None and path.stat().st_size >= limit - PROBE_BYTES
+    if st.f_bavail * st.f_frsize < PROBE_BYTES or at_limit:
+        return path
+    return None
 
 
 def quiet_writer_threads() -> None:

@@ -215,7 +215,13 @@ def locked(paths: RunPaths):
         f.flush()
         _HELD.append(f)
         storage.watch(paths.dir)
-        yield
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - a library's own writer (TensorBoard's) failed in the folder
+            told = storage.escaped_fault(e, near=paths.dir)
+            if told is None or told is e:
+                raise
+            raise told from None
     finally:
         storage.unwatch(paths.dir, keep_removed=True)
         with contextlib.suppress(ValueError):

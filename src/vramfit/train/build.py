@@ -26,6 +26,7 @@ from ..config import Config
 from ..data.progressive import Schedule, schedule_of
 from ..errors import VramfitError
 from ..runtime.collectives import agreed, broadcast_module
+from ..runtime import storage
 from ..runtime.storage import make_folder, write_json, write_text
 from ..store import checkpoint, resume
 from ..store.runfolder import RunPaths
@@ -341,11 +342,10 @@ def check_writable(output: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        what = {errno.ENOSPC: "the disk is full", errno.EROFS: "it is on a read-only file system",
-                errno.EACCES: "it is not writable", errno.EEXIST: "a file of that name is in the way",
-                errno.ENOTDIR: "a file of that name is in the way"}.get(e.errno, e.strerror or str(e))
-        raise VramfitError(f"Cannot write into --output {output}: {what}.",
-                           hint="pick a writable folder with free space with --output PATH") from None
+        raise VramfitError(f"Cannot write into --output {output}: {storage.os_cause(e)}"
+                           f"{storage.free_space(output) if e.errno == errno.ENOSPC else ''}.",
+                           hint="pick a writable folder with free space with --output PATH (or free space, "
+                                "fix the permissions)") from None
     finally:
         with contextlib.suppress(OSError):
             probe.unlink()

@@ -78,6 +78,9 @@ class Trainer:
     phase: Phase = None  # what trains now
     size: int | None = None  # the image size the last step trained at (None: no step yet)
     segment: tuple | None = None  # (phase name, first size) of the fit segment it is in (tuning.size_plans)
+    # The main process's failed write of the record (a full disk, a removed run folder), told to the
+    # others at the next point all processes meet (the next step's vote, or the epoch's end).
+    unwritten: Exception | None = None
 
     def __post_init__(self):
         from .phases import phase_at
@@ -171,6 +174,8 @@ class Trainer:
                     return 0
                 except Exception as e:  # noqa: BLE001 - the others must not wait in this step's vote
                     self.step.fail_together(e)
+                if self.unwritten is not None:
+                    self.step.fail_together(self.unwritten)
                 t_got = time.time()
                 self.clock.data_wait += t_got - t_wait
                 signum = self.train_one(batch, epoch, t_wait)
@@ -261,16 +266,25 @@ class Trainer:
         st, mb = self.state, self.step.state.micro_batch
         if st.global_step % self.cfg.train.log_every_steps and st.global_step != 1:
             return
-        self.runlog.log({"kind": "train", "epoch": epoch, "loss": res.loss,
-                         "accuracy": res.correct / res.samples, "lr": lr, "grad_norm": res.grad_norm,
-                         "micro_batch": mb, "image_size": self.size, "oom_retries": self.step.state.oom_retries,
-                         "images_per_second": self.clock.images_per_second or 0.0,
-                         "data_wait_fraction": self.clock.data_wait / max(self.clock.train_seconds, 1e-9),
-                         **_memory_figures(self.L.acc.device)}, st.global_step)
+        record = {"kind": "train", "epoch": epoch, "loss": res.loss,
+                  "accuracy": res.correct / res.samples, "lr": lr, "grad_norm": res.grad_norm,
+                  "micro_batch": mb, "image_size": self.size, "oom_retries": self.step.state.oom_retries,
+                  "images_per_second": self.clock.images_per_second or 0.0,
+                  "data_wait_fraction": self.clock.data_wait / max(self.clock.train_seconds, 1e-9),
+                  **_memory_figures(self.L.acc.device)}
+        try:
+            self.runlog.log(record, st.global_step)
+        except Exception as e:  # noqa: BLE001 - only the main process writes: the others are told, not left
+            if world_size() == 1:
+                raise
+            self.unwritten = e
 
     # ------------------------------------------------------------------------------ epoch end
     def end_epoch(self, epoch: int) -> int:
         t0 = time.time()
+        with agreed("writing the run's record", self.L.acc.device):
+            if self.unwritten is not None:
+                raise self.unwritten
         average_batchnorm(self.model)
         if self.ema is not None:  # its BatchNorm statistics follow each process's own: one model
             average_batchnorm(self.ema.module)
