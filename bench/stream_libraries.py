@@ -156,7 +156,8 @@ def transform(args):
     from vramfit import data as D
     from vramfit.config import DataConfig
 
-    train_tf, _ = D.build_transforms(DataConfig(image_size=args.image_size), data_cfg_at(args.image_size), "cuda")
+    size = args.image_size
+    train_tf, _ = D.build_transforms(DataConfig(image_size=size), data_cfg_at(size), "cuda")  # a GPU run's
     return train_tf, D.draft_size(train_tf, args.image_size)
 
 
@@ -200,13 +201,15 @@ def library_loader(case: str, data: Data, args, workers=None):
     if case == "hf":
         import datasets
 
-        ds = datasets.load_dataset("webdataset", data_files={"train": data.tars}, split="train", streaming=True)
+        ds = datasets.load_dataset("webdataset", data_files={"train": data.tars}, split="train",
+                                   streaming=True)
         ds = ds.decode(False).shuffle(seed=0, buffer_size=buffer)
         return torch.utils.data.DataLoader(ds, collate_fn=DecodeCollate(tf, draft, fields_hf), **kw), ds
     if case == "mosaic":
         import streaming
 
-        ds = streaming.StreamingDataset(local=str(data.mds), shuffle=True, shuffle_seed=0, batch_size=args.batch)
+        ds = streaming.StreamingDataset(local=str(data.mds), shuffle=True, shuffle_seed=0,
+                                        batch_size=args.batch)
         return streaming.StreamingDataLoader(ds, collate_fn=DecodeCollate(tf, draft, fields_own), **kw), ds
     import litdata
 
@@ -289,7 +292,7 @@ def same_order_at_two(case: str, data: Data, args) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=2000, help="320x240 JPEGs generated")
-    ap.add_argument("--repeats", type=int, default=2, help="measurements per case, interleaved; the best counts")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each case, interleaved; the best counts")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=224)
@@ -310,8 +313,10 @@ def main(argv=None) -> int:
     try:
         data = make_data(work, args)
         best = {c: 0.0 for c in cases}
-        for _ in range(args.repeats):  # interleaved: a burst of other load hits one repeat of each case
-            for case in cases:
+        # Interleaved, each repeat starting at the next case: a burst of other load hits one run of
+        # each case, and no case always runs first.
+        for rep in range(args.repeats):
+            for case in cases[rep % len(cases):] + cases[:rep % len(cases)]:
                 best[case] = max(best[case], images_per_second(case, data, args))
                 print(f"  {case}: {best[case]:.1f} images/s", flush=True)
         rows = [(c, best[c], resumes(c, data, args), same_order_at_two(c, data, args)) for c in cases]
