@@ -21,14 +21,20 @@ same samples in the same order, and the same augmentation (seeded by (seed, epoc
 The loader workers decode the samples of the batches they are given, so the order does not depend
 on the worker count (which `num_workers: auto` measures at each start).
 
-Why tar reading is written here with Python's `tarfile` rather than taken from a library: none of
-them gives count-exact mid-epoch resume of a shuffled tar stream. `webdataset` leaves resume to the
-user (webdataset/webdataset#271) and its buffer is seeded per worker; HF `datasets` streaming
-(`load_dataset("webdataset", streaming=True)`) restores `IterableDataset.state_dict()` without the
-shuffle buffer's contents (datasets#7056, closed); MosaicML `streaming` resumes exactly, the same
-at any node count, but reads its own MDS/CSV/JSONL shards, not tars; LitData likewise reads its own
-chunk format. A tar is a 512-byte header before each member, which `tarfile.TarInfo.fromtarfile`
-parses (with pax / GNU long names), so the hand-written part is the ordering, not the format.
+Why tar reading is written here with Python's `tarfile` rather than taken from a library (measured on
+the same tars by bench/stream_libraries.py, docs/benchmarks.md): none of them resumes a shuffled tar
+stream exactly mid-epoch. `webdataset` keeps no state (webdataset/webdataset#271): with its shard and
+buffer shuffles seeded, a rebuilt pipeline replays the same order, so a resume re-reads every sample
+before the stop, and (by its documentation) its order follows the split of shards over nodes and
+workers; HF `datasets` streaming restores `IterableDataset.state_dict()` without the shuffle buffer's
+contents (datasets#7056): resumed after 2 batches it gave none of the next batch's samples, the state
+pointing past all the buffer had read; MosaicML `streaming` and LitData resume exactly (MosaicML
+documents the same order at any node count), but read only their own formats (MDS, LitData chunks), so
+a tar dataset would be written again. Throughput decides nothing: on 2,000 images on 2 shared cores
+every library was within 10% of this reader's images/s in the quietest of three runs, and the cases'
+order changed from run to run by more than that. A tar is a 512-byte header before each member, which
+`tarfile.TarInfo.fromtarfile` parses (with pax / GNU long names), so the hand-written part is the
+ordering, not the format.
 """
 
 from __future__ import annotations
