@@ -3,8 +3,9 @@ files loaded as a map-style dataset, through the same ImageDataset, transform an
 groups read per row read.
 
 The files: --images 500x375 JPEGs (bench/data_throughput.py's photo-like ones, ~50 KB at the default
-noise) written by `datasets` (row groups of 100 rows, as it writes image datasets), 4 train files and a
-validation file. Cases: map-style (StepBatchSampler); streamed with the default shuffle buffer and
+noise) written by `datasets` in row groups of 100 rows (`to_parquet(batch_size=100)`; left to itself,
+datasets 5.2 wrote each of these files as one row group), 4 train files and a validation file.
+Cases: map-style (StepBatchSampler); streamed with the default shuffle buffer and
 row-group cache (the window, here the whole train split, fits it); streamed with a cache of
 --small-cache-mb, the window about 7x the cache as 16384 rows of 100 KB images are to the default
 256 MiB (each row may cost its row group's read); that cache with the shuffle buffer the start note
@@ -35,10 +36,10 @@ def write_files(root: Path, n: int, noise: int) -> None:
             "label": [i % 2 for i in range(n)]}
     ds = datasets.Dataset.from_dict(rows, features=feats)
     val = n // 5
-    ds.select(range(val)).to_parquet(root / "validation-00000.parquet")
+    ds.select(range(val)).to_parquet(root / "validation-00000.parquet", batch_size=100)
     train = ds.select(range(val, n))
     for i in range(4):
-        train.shard(4, i, contiguous=True).to_parquet(root / f"train-{i:05d}.parquet")
+        train.shard(4, i, contiguous=True).to_parquet(root / f"train-{i:05d}.parquet", batch_size=100)
 
 
 def data_cfg(root: Path, args, streaming: bool, buffer: int = 16384, cache_mb: int = 256):
@@ -90,6 +91,8 @@ def group_reads(root: Path, args, **case) -> tuple[float, list[str]]:
 
 
 def main(argv=None) -> int:
+    import pyarrow.parquet as pq
+
     from vramfit.data.tables import buffer_for
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -112,13 +115,14 @@ def main(argv=None) -> int:
         print(f"{args.images} images, train files {size:.1f} MiB, written in "
               f"{time.perf_counter() - t0:.0f} s")
         small = args.small_cache_mb
-        row_bytes = size * 2 ** 20 / (args.images - args.images // 5)
-        fits = buffer_for(small, row_bytes, 1)  # what the start note suggests for the small cache
+        rows = args.images - args.images // 5
+        groups = sum(pq.ParquetFile(f).metadata.num_row_groups for f in root.glob("train-*.parquet"))
+        fits = buffer_for(data_cfg(root, args, True, cache_mb=small), rows, int(size * 2 ** 20), groups, 1)
         cases = {"map-style": dict(streaming=False),
                  "streamed": dict(streaming=True),
                  f"streamed, {small} MiB cache": dict(streaming=True, cache_mb=small),
                  **{f"streamed, {small} MiB cache, buffer {b}": dict(
-                     streaming=True, cache_mb=small, buffer=b) for b in (fits, *args.extra_buffer)}}
+                     streaming=True, cache_mb=small, buffer=b) for b in ({fits, *args.extra_buffer} - {0})}}
         reads = {name: group_reads(root, args, **kw) for name, kw in cases.items() if kw["streaming"]}
         best = {name: 0.0 for name in cases}
         for _ in range(args.repeats):  # interleaved, so a busy moment of the machine hits every case

@@ -127,32 +127,35 @@ def _wide_rows(root, rows: int, row_bytes: int, group: int):
 
 
 def test_a_window_larger_than_the_row_group_cache_is_said_with_its_numbers(tmp_path, monkeypatch):
-    """400 rows of 10 KB (4 MB): the default buffer's window is the whole split, which a 1 MiB cache
-    does not hold (the note: its size, the cache that holds it, the buffer that fits) and 8 MiB does;
-    two processes halve a process's window; a smaller buffer needs 3x its window."""
+    """400 rows of 10 KB (4 MB) in row groups of 10: the default buffer's window is the whole split,
+    which a 1 MiB cache does not hold (the note: its size, the cache that holds it, the buffer that
+    fits) and 4 MiB does; two processes halve a process's window; a buffer of 50 needs 3x its
+    window and a row group per partition; row groups of 50 leave no buffer that fits 1 MiB."""
     from vramfit.config import DataConfig
     from vramfit.data import load_splits
 
-    src = str(_wide_rows(tmp_path / "wide", 400, 10_000, 50))
+    src = str(_wide_rows(tmp_path / "wide", 400, 10_000, 10))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
-    def notes(**settings):
-        return load_splits(DataConfig(source=src, streaming=True, **settings)).notes
+    def notes(source=src, **settings):
+        return load_splits(DataConfig(source=source, streaming=True, **settings)).notes
 
     said = notes(table_cache_mb=1)
     assert len(said) == 1 and "~400 rows of data.shuffle_buffer 16384 over 1 process(es)" in said[0]
     assert "10 KB a row" in said[0]
     assert "cache of ~4 MiB" in said[0] and "more than data.table_cache_mb=1" in said[0]
     fits = int(said[0].split("data.shuffle_buffer=")[1].split()[0])
-    assert "Set data.table_cache_mb=4 " in said[0] and 30 <= fits <= 36  # 1 MiB / 10 KB / 3
+    assert "Set data.table_cache_mb=4 " in said[0] and 4 <= fits <= 12  # (1 MiB / 10 KB / 8 - 10) x 8 / 3
     assert notes(table_cache_mb=4) == [] and notes(table_cache_mb=1, shuffle_buffer=fits) == []
-    assert notes(table_cache_mb=1, shuffle_buffer=fits + 3) != []
+    assert notes(table_cache_mb=1, shuffle_buffer=fits + 4) != []
     monkeypatch.setenv("WORLD_SIZE", "2")
     two = notes(table_cache_mb=1)
     assert "~200 rows" in two[0] and "cache of ~2 MiB" in two[0]
     monkeypatch.delenv("WORLD_SIZE")
-    small = notes(table_cache_mb=1, shuffle_buffer=50)  # 3 x its window of 50 rows: 1.4 MiB
-    assert "~50 rows" in small[0] and "cache of ~2 MiB" in small[0]
+    small = notes(table_cache_mb=1, shuffle_buffer=50)  # 8 x (3 x 50 / 8 + 10) rows: 2.2 MiB
+    assert "~50 rows" in small[0] and "cache of ~3 MiB" in small[0]
+    big_groups = str(_wide_rows(tmp_path / "groups", 400, 10_000, 50))
+    assert "no data.shuffle_buffer fits this cache" in notes(big_groups, table_cache_mb=1)[0]
 
 
 def test_a_cache_holding_the_window_reads_each_row_group_once_an_epoch(tmp_path):

@@ -165,9 +165,9 @@ class TableFile:
             self._stream.close()
 
 
-def footer_of(path: str) -> tuple[int, int]:
-    """A file's (rows, bytes of its row groups decoded) from its footer (`TableFile.nbytes`); a file
-    that is not whole or not parquet / arrow is named."""
+def footer_of(path: str) -> tuple[int, int, int]:
+    """A file's (rows, bytes of its row groups decoded (`TableFile.nbytes`), row groups) from its
+    footer; a file that is not whole or not parquet / arrow is named."""
     import pyarrow as pa
 
     try:
@@ -175,41 +175,52 @@ def footer_of(path: str) -> tuple[int, int]:
     except (OSError, pa.ArrowException, ValueError) as e:
         raise unreadable(path, f"{type(e).__name__}: {e} (truncated?)") from None
     reader.close()
-    return reader.num_rows, reader.nbytes
+    return reader.num_rows, reader.nbytes, len(reader.starts)
 
 
 # A row stays in the shuffle buffer a while after its neighbours were drawn (a draw is uniform over
-# the buffer, so a row's stay is geometric): measured by bench/parquet_stream.py's counter, a cache
-# of the window's bytes still reads a row group for half the rows, three times it for under 5%.
+# the buffer, so a row's stay is geometric), and each partition's buffer straddles a row group:
+# measured by bench/parquet_stream.py's counter, a cache of the window's bytes still reads a row group
+# for half the rows, three times it plus a row group per partition for a few percent.
 CACHE_WINDOWS = 3
 
 
-def buffer_for(cache_mb: int, row_bytes: float, processes: int) -> int:
-    """The largest data.shuffle_buffer whose window a cache of `cache_mb` holds (`CACHE_WINDOWS`)."""
-    return max(1, int(cache_mb * 2 ** 20 / row_bytes / CACHE_WINDOWS * processes))
+def cache_need(cfg: DataConfig, rows: int, groups: int, processes: int, buffer: int) -> float:
+    """The rows a loader worker's cache should hold for a process's window: each of its partitions
+    CACHE_WINDOWS times its buffer and one row group, at most the process's share of the split."""
+    mine = cfg.shard_partitions / processes
+    return min(rows / processes, mine * (CACHE_WINDOWS * buffer / cfg.shard_partitions + rows / groups))
 
 
-def window_note(cfg: DataConfig, rows: int, nbytes: int, processes: int) -> str | None:
+def buffer_for(cfg: DataConfig, rows: int, nbytes: int, groups: int, processes: int) -> int:
+    """The largest data.shuffle_buffer whose window data.table_cache_mb holds (`cache_need`); 0: none."""
+    held = cfg.table_cache_mb * 2 ** 20 / (nbytes / rows) / (cfg.shard_partitions / processes)
+    return max(0, int((held - rows / groups) * cfg.shard_partitions / CACHE_WINDOWS))
+
+
+def window_note(cfg: DataConfig, rows: int, nbytes: int, groups: int, processes: int) -> str | None:
     """A start note where a process's window of the shuffle buffer (its partitions' buffers: about
-    data.shuffle_buffer / `processes` rows of the train split's `rows`, which hold `nbytes` decoded)
-    needs more than a loader worker's row-group cache, with the two ways out; None where it fits.
-    The order is never changed for the cache: it is a function of (seed, epoch) and the run's settings."""
+    data.shuffle_buffer / `processes` rows of the train split's `rows` in `groups` row groups, which
+    hold `nbytes` decoded) needs more than a loader worker's row-group cache, with the ways out; None
+    where it fits. The order is never changed for the cache: it is a function of (seed, epoch) and
+    the run's settings."""
     if not rows or not nbytes:
         return None
     per_row = nbytes / rows
     window = min(cfg.shuffle_buffer, rows) / processes
-    need = min(CACHE_WINDOWS * window, rows / processes) * per_row  # a whole split fits at 1x
-    need_mb = math.ceil(need / 2 ** 20)
+    need_mb = math.ceil(cache_need(cfg, rows, groups, processes, cfg.shuffle_buffer) * per_row / 2 ** 20)
     if need_mb <= cfg.table_cache_mb:
         return None
-    fits = buffer_for(cfg.table_cache_mb, per_row, processes)
+    fits = buffer_for(cfg, rows, nbytes, groups, processes)
+    smaller = (f"or data.shuffle_buffer={fits} or less (fits this cache; a change of order, so of the run)"
+               if fits else f"no data.shuffle_buffer fits this cache (each of a process's partitions holds a "
+               f"row group of ~{rows / groups:.0f} rows)")
     return (f"parquet streaming: a process's shuffle window (~{window:.0f} rows of data.shuffle_buffer "
             f"{cfg.shuffle_buffer} over {processes} process(es), {per_row / 1e3:.0f} KB a row by the "
             f"files' footers) needs a row-group cache of ~{need_mb} MiB in each loader worker, "
             f"more than data.table_cache_mb={cfg.table_cache_mb}: many rows will cost a read of their "
             f"whole row group. Set data.table_cache_mb={need_mb} (host memory: that times "
-            f"the workers of each process), or data.shuffle_buffer={fits} or less (fits this cache; a "
-            f"change of order, so of the run)")
+            f"the workers of each process), {smaller}")
 
 
 @dataclass
@@ -243,7 +254,7 @@ def _resolve(cfg: DataConfig) -> Streamed:
                      "validation split (`vramfit prepare --data SRC --output DIR --format webdataset`), "
                      "or drop data.streaming to load it whole".format(what))
     footers = {s: stores.parallel(footer_of, files[s], FOOTER_THREADS) for s in (train_name, val_name)}
-    shards = {s: [Shard(f, n) for f, (n, _) in zip(files[s], footers[s])] for s in footers}
+    shards = {s: [Shard(f, n) for f, (n, *_) in zip(files[s], footers[s])] for s in footers}
     if features is None:  # the features datasets writes into the schema metadata of its files
         import datasets
 
