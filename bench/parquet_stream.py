@@ -7,14 +7,14 @@ noise) written by `datasets` in row groups of 100 rows (`to_parquet(batch_size=1
 datasets 5.2 wrote each of these files as one row group), 4 train files and a validation file.
 Cases: map-style (StepBatchSampler); streamed with the default shuffle buffer and
 row-group cache (the window, here the whole train split, fits it); streamed with a cache of
---small-cache-mb, the window about 7x the cache as 16384 rows of 100 KB images are to the default
+--small-cache-mb, the window about 6x the cache as 16384 rows of 100 KB images are to the default
 256 MiB (each row may cost its row group's read); that cache with the shuffle buffer the start note
 suggests for it (data.tables.window_note); and --extra-buffer cases (data.shuffle_buffer with the
 small cache). Each case also prints the start note its settings give, and the row groups read per row
 read (`TableSamples.groups_read / rows_read`), counted in a pass without the loader that deals the
 sampler's batches round-robin to --workers fresh readers, as the DataLoader deals them to its workers.
 
-    python bench/parquet_stream.py                           # ~4 minutes on 2 CPU cores
+    python bench/parquet_stream.py                           # ~7 minutes on 2 CPU cores
     python bench/parquet_stream.py --images 600 --repeats 1  # a quick look
 """
 
