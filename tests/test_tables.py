@@ -91,17 +91,89 @@ def test_a_source_without_a_validation_split_is_refused_with_a_hint(digits_table
     assert "no validation split" in e.value.message and "vramfit prepare" in e.value.hint
 
 
-def test_streamed_parquet_trains_and_resumes_bitwise_after_a_signal(digits_tables, train_cli):
+def test_streamed_parquet_trains_and_resumes_bitwise_after_a_signal(digits_tables, train_cli, caplog):
     """The tar shards' exact resume holds for parquet rows: a run stopped mid-epoch by a signal and
-    resumed ends with the weights of an uninterrupted streamed run, bit for bit."""
+    resumed ends with the weights of an uninterrupted streamed run, bit for bit, also when resumed
+    with another row-group cache (data.table_cache_mb: execution only, said at the resume)."""
+    caplog.set_level("INFO", logger="vramfit")
     args = _source_args(digits_tables / "pq", *STREAMING)
     full, code = train_cli(*args, run_name="full")
     assert code == 0
     part, code = train_cli(*args, "--set", "debug.signal_at_step=4", run_name="part")
     assert code == 143
-    part, code = train_cli(*args, run_name="part")
+    caplog.clear()
+    part, code = train_cli(*args, "--set", "data.table_cache_mb=1", run_name="part")
     assert code == 0
     assert same_weights(last_weights(full), last_weights(part))
+    assert "data.table_cache_mb: 256 -> 1" in caplog.text
+
+
+def _wide_rows(root, rows: int, row_bytes: int, group: int):
+    """`rows` train rows of `row_bytes` incompressible image bytes in row groups of `group`, and a
+    validation file: the footers give the window's bytes; no image is decoded at start."""
+    import datasets
+    import numpy as np
+
+    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    rng = np.random.default_rng(0)
+    ds = datasets.Dataset.from_dict(
+        {"image": [{"bytes": rng.bytes(row_bytes), "path": f"{i}.jpg"} for i in range(rows)],
+         "label": [i % 2 for i in range(rows)]}, features=feats)
+    root.mkdir()
+    for i in range(2):
+        ds.shard(2, i, contiguous=True).to_parquet(root / f"train-{i:05d}.parquet", batch_size=group)
+    ds.select(range(group)).to_parquet(root / "validation-00000.parquet")
+    return root
+
+
+def test_a_window_larger_than_the_row_group_cache_is_said_with_its_numbers(tmp_path, monkeypatch):
+    """400 rows of 10 KB (4 MB) in row groups of 10: the default buffer's window is the whole split,
+    which a 1 MiB cache does not hold (the note: its size, the cache that holds it, the buffer that
+    fits) and 4 MiB does; two processes halve a process's window; a buffer of 50 needs 3x its
+    window and a row group per partition; row groups of 50 leave no buffer that fits 1 MiB."""
+    from vramfit.config import DataConfig
+    from vramfit.data import load_splits
+
+    src = str(_wide_rows(tmp_path / "wide", 400, 10_000, 10))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def notes(source=src, **settings):
+        return load_splits(DataConfig(source=source, streaming=True, **settings)).notes
+
+    said = notes(table_cache_mb=1)
+    assert len(said) == 1 and "~400 rows of data.shuffle_buffer 16384 over 1 process(es)" in said[0]
+    assert "10 KB a row" in said[0]
+    assert "cache of ~4 MiB" in said[0] and "more than data.table_cache_mb=1" in said[0]
+    fits = int(said[0].split("data.shuffle_buffer=")[1].split()[0])
+    assert "Set data.table_cache_mb=4 " in said[0] and 4 <= fits <= 12  # (1 MiB / 10 KB / 8 - 10) x 8 / 3
+    assert notes(table_cache_mb=4) == [] and notes(table_cache_mb=1, shuffle_buffer=fits) == []
+    assert notes(table_cache_mb=1, shuffle_buffer=fits + 4) != []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    two = notes(table_cache_mb=1)
+    assert "~200 rows" in two[0] and "cache of ~2 MiB" in two[0]
+    monkeypatch.delenv("WORLD_SIZE")
+    small = notes(table_cache_mb=1, shuffle_buffer=50)  # 8 x (3 x 50 / 8 + 10) rows: 2.2 MiB
+    assert "~50 rows" in small[0] and "cache of ~3 MiB" in small[0]
+    big_groups = str(_wide_rows(tmp_path / "groups", 400, 10_000, 50))
+    assert "no data.shuffle_buffer fits this cache" in notes(big_groups, table_cache_mb=1)[0]
+
+
+def test_a_cache_holding_the_window_reads_each_row_group_once_an_epoch(tmp_path):
+    """The counters bench/parquet_stream.py reads: an epoch through the sampler reads each of the
+    8 row groups once with the default cache; a cache of one row group reads one for most rows."""
+    from vramfit.config import DataConfig
+    from vramfit.data import load_splits
+    from vramfit.data.shards import ShardStepSampler
+
+    src = str(_wide_rows(tmp_path / "wide", 400, 10_000, 50))
+    for cache_bytes, lo, hi in ((None, 8, 8), (1, 200, 400)):  # 1 byte: the last row group kept
+        train = load_splits(DataConfig(source=src, streaming=True)).train
+        train.cache_bytes = cache_bytes or train.cache_bytes
+        sampler = ShardStepSampler(train, 16, 0, 1, seed=0, buffer=16384)
+        for batch in sampler:
+            for loc, *_ in batch:
+                train[loc]
+        assert train.rows_read == 400 and lo <= train.groups_read <= hi, (cache_bytes, train.groups_read)
 
 
 def test_tar_shards_at_a_file_url_train_as_from_their_path(tmp_path, train_cli):

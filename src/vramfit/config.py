@@ -168,6 +168,10 @@ class DataConfig(Section):
     # Seconds a loader worker may take over one batch before the run says the stream stalled
     # (a hung network file system) instead of waiting for ever.
     read_timeout_s: float = Field(600.0, gt=0.0)
+    # Parquet streamed (data.tables): MiB of decoded row groups each loader worker (and the main
+    # process) keeps. It should hold a process's window of the shuffle buffer (a start note says
+    # when the files' footers say it does not); it changes reads and host memory, never the order.
+    table_cache_mb: int = Field(256, ge=1)
 
     @field_validator("progressive_resize", mode="before")
     @classmethod
@@ -379,7 +383,8 @@ EXECUTION_ONLY = {
     # Where the run writes, what it keeps and says, when it gives up, and the faults tests inject.
     "run": ("recipe", "output", "run_name", "resume", "allow_resume_change", "train.eval_batch",
             "train.log_every_steps", "train.max_consecutive_skipped_steps", "data.max_bad_fraction",
-            "data.cache_dir", "data.read_timeout_s", "checkpoint.", "tracking.", "debug."),
+            "data.cache_dir", "data.read_timeout_s", "data.table_cache_mb", "checkpoint.", "tracking.",
+            "debug."),
 }
 
 

@@ -172,7 +172,7 @@ def _streamed_splits(cfg: DataConfig) -> Splits:
                            "data.streaming.", hint="pass fewer files (a glob) instead")
     streamed = tables.resolve(cfg)
     return Splits(streamed.train, IndexedSamples(streamed.val), streamed.class_names, "image", "label",
-                  streamed.description, [])
+                  streamed.description, streamed.notes)
 
 
 def load_eval_split(cfg: DataConfig, split: str, class_names: list[str]):

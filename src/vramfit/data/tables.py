@@ -5,9 +5,11 @@ The ordering is the tar shards' (data.shards: `ShardStepSampler`, its buffer and
 resume); only the reading differs. A sample's location is file number x 2**40 + row index, and a
 file's row count comes from its footer (parquet) or its record batches' headers (a memory-mapped
 arrow file): no image byte is read at start. A reader reads the whole row group holding a row (the
-smallest unit parquet decodes) and keeps the row groups it decoded in a cache of `CACHE_BYTES` per
-loader worker, least recently used first out, so the neighbours the shuffle buffer asks for next
-are mostly there.
+smallest unit parquet decodes) and keeps the row groups it decoded in a cache of
+`data.table_cache_mb` per loader worker, least recently used first out, so the neighbours the
+shuffle buffer asks for next are there while the buffer's window of row groups fits the cache.
+Every worker is dealt batches from the whole window, so each needs all of it: where the footers'
+row-group sizes say the window does not fit, a start note says so with the numbers (`window_note`).
 
 Which files are which split: `datasets.load_dataset_builder(source).config.data_files`, the
 library's own resolution, which reads a local folder as it reads a Hub repository (whose files
@@ -18,6 +20,7 @@ would need every row's label read first; `vramfit prepare` writes one once).
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,7 +36,6 @@ from .builtin import cache_root, local_source
 from .schema import VAL_SPLITS, pick_image_column, pick_label_column, split_of
 from .shards import SHARD_BITS, OPEN_SHARDS, Shard, ShardSamples
 
-CACHE_BYTES = 256 * 2 ** 20  # decoded row groups a loader worker keeps (and the main process)
 KINDS = (".parquet", ".arrow")
 FOOTER_THREADS = 16  # footers read at once at start (each a small range request on a remote store)
 
@@ -49,15 +51,18 @@ class TableSamples(ShardSamples):
     {"image": {"bytes", "path"}, "label"}, as `ShardSamples` gives a tar sample."""
 
     def __init__(self, shards: list[Shard], image_col: str, label_col: str, num_classes: int,
-                 read_timeout_s: float | None = None, cache_bytes: int = CACHE_BYTES):
+                 read_timeout_s: float | None = None, cache_bytes: int | None = None):
         super().__init__(shards, read_timeout_s)
         self.image_col, self.label_col, self.num_classes = image_col, label_col, num_classes
-        self.cache_bytes = cache_bytes
+        self.cache_bytes = cache_bytes or DataConfig().table_cache_mb * 2 ** 20
         self._groups: OrderedDict = OrderedDict()  # (file, row group) -> (first row, table)
         self._cached = 0
+        # Rows read and row groups read for them by this process (bench/parquet_stream.py reads them).
+        self.rows_read = self.groups_read = 0
 
-    def __getstate__(self):  # open files and decoded rows stay in the process that read them
-        return {**self.__dict__, "_files": {}, "_groups": OrderedDict(), "_cached": 0}
+    def __getstate__(self):  # open files, decoded rows and their counts stay in the process that read them
+        return {**self.__dict__, "_files": {}, "_groups": OrderedDict(), "_cached": 0, "rows_read": 0,
+                "groups_read": 0}
 
     def offsets(self, shard_no: int) -> range:
         return range(self.shards[shard_no].samples)
@@ -84,6 +89,7 @@ class TableSamples(ShardSamples):
             self._groups.move_to_end(key)
             return hit
         hit = self._groups[key] = reader.read_group(group, [self.image_col, self.label_col])
+        self.groups_read += 1
         self._cached += hit[1].nbytes
         while self._cached > self.cache_bytes and len(self._groups) > 1:
             self._cached -= self._groups.popitem(last=False)[1][1].nbytes
@@ -96,6 +102,7 @@ class TableSamples(ShardSamples):
         path = self.shards[shard_no].path
         try:
             first, table = self._rows(shard_no, row)
+            self.rows_read += 1
             rec = table.slice(row - first, 1).to_pylist()[0]
         except (OSError, pa.ArrowException, ValueError, IndexError) as e:
             raise unreadable(path, f"{type(e).__name__} at row {row}: {e}") from None
@@ -115,7 +122,8 @@ def _image(value, where: str) -> dict:
 
 
 class TableFile:
-    """One parquet or arrow file: its row groups' first rows and a row group's columns."""
+    """One parquet or arrow file: its row groups' first rows, its bytes decoded (parquet: the footer's
+    row-group sizes; arrow: 0, it is mapped, not cached) and a row group's columns."""
 
     def __init__(self, path: str):
         import pyarrow as pa
@@ -131,12 +139,14 @@ class TableFile:
             except pa.ArrowInvalid:
                 self._table = ipc.open_file(pa.memory_map(path)).read_all()
             self.num_rows, self.starts = self._table.num_rows, np.zeros(1, dtype=np.int64)
+            self.nbytes = 0  # mapped, not cached
             return
         self._stream = stores.open_binary(path) if stores.is_url(path) else None
         self._parquet = pq.ParquetFile(self._stream or path)
         meta = self._parquet.metadata
         rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         self.num_rows = int(sum(rows))
+        self.nbytes = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))  # decoded
         self.starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
 
     def group_of(self, row: int) -> int:
@@ -155,8 +165,9 @@ class TableFile:
             self._stream.close()
 
 
-def rows_of(path: str) -> int:
-    """A file's row count from its footer; a file that is not whole or not parquet / arrow is named."""
+def footer_of(path: str) -> tuple[int, int, int]:
+    """A file's (rows, bytes of its row groups decoded (`TableFile.nbytes`), row groups) from its
+    footer; a file that is not whole or not parquet / arrow is named."""
     import pyarrow as pa
 
     try:
@@ -164,7 +175,52 @@ def rows_of(path: str) -> int:
     except (OSError, pa.ArrowException, ValueError) as e:
         raise unreadable(path, f"{type(e).__name__}: {e} (truncated?)") from None
     reader.close()
-    return reader.num_rows
+    return reader.num_rows, reader.nbytes, len(reader.starts)
+
+
+# A row stays in the shuffle buffer a while after its neighbours were drawn (a draw is uniform over
+# the buffer, so a row's stay is geometric), and each partition's buffer straddles a row group:
+# measured by bench/parquet_stream.py's counter, a cache of the window's bytes still reads a row group
+# for half the rows, three times it plus a row group per partition for a few percent.
+CACHE_WINDOWS = 3
+
+
+def cache_need(cfg: DataConfig, rows: int, groups: int, processes: int, buffer: int) -> float:
+    """The rows a loader worker's cache should hold for a process's window: each of its partitions
+    CACHE_WINDOWS times its buffer and one row group, at most the process's share of the split."""
+    mine = cfg.shard_partitions / processes
+    return min(rows / processes, mine * (CACHE_WINDOWS * buffer / cfg.shard_partitions + rows / groups))
+
+
+def buffer_for(cfg: DataConfig, rows: int, nbytes: int, groups: int, processes: int) -> int:
+    """The largest data.shuffle_buffer whose window data.table_cache_mb holds (`cache_need`); 0: none."""
+    held = cfg.table_cache_mb * 2 ** 20 / (nbytes / rows) / (cfg.shard_partitions / processes)
+    return max(0, int((held - rows / groups) * cfg.shard_partitions / CACHE_WINDOWS))
+
+
+def window_note(cfg: DataConfig, rows: int, nbytes: int, groups: int, processes: int) -> str | None:
+    """A start note where a process's window of the shuffle buffer (its partitions' buffers: about
+    data.shuffle_buffer / `processes` rows of the train split's `rows` in `groups` row groups, which
+    hold `nbytes` decoded) needs more than a loader worker's row-group cache, with the ways out; None
+    where it fits. The order is never changed for the cache: it is a function of (seed, epoch) and
+    the run's settings."""
+    if not rows or not nbytes:
+        return None
+    per_row = nbytes / rows
+    window = min(cfg.shuffle_buffer, rows) / processes
+    need_mb = math.ceil(cache_need(cfg, rows, groups, processes, cfg.shuffle_buffer) * per_row / 2 ** 20)
+    if need_mb <= cfg.table_cache_mb:
+        return None
+    fits = buffer_for(cfg, rows, nbytes, groups, processes)
+    smaller = (f"or data.shuffle_buffer={fits} or less (fits this cache; a change of order, so of the run)"
+               if fits else f"no data.shuffle_buffer fits this cache (each of a process's partitions holds a "
+               f"row group of ~{rows / groups:.0f} rows)")
+    return (f"parquet streaming: a process's shuffle window (~{window:.0f} rows of data.shuffle_buffer "
+            f"{cfg.shuffle_buffer} over {processes} process(es), {per_row / 1e3:.0f} KB a row by the "
+            f"files' footers) needs a row-group cache of ~{need_mb} MiB in each loader worker, "
+            f"more than data.table_cache_mb={cfg.table_cache_mb}: many rows will cost a read of their "
+            f"whole row group. Set data.table_cache_mb={need_mb} (host memory: that times "
+            f"the workers of each process), {smaller}")
 
 
 @dataclass
@@ -175,6 +231,7 @@ class Streamed:
     val: TableSamples
     class_names: list[str]
     description: str
+    notes: list[str]
 
 
 def resolve(cfg: DataConfig) -> Streamed:
@@ -196,8 +253,8 @@ def _resolve(cfg: DataConfig) -> Streamed:
                 hint="name one with --set {}=SPLIT, write the source once as shards with a held-out "
                      "validation split (`vramfit prepare --data SRC --output DIR --format webdataset`), "
                      "or drop data.streaming to load it whole".format(what))
-    shards = {s: [Shard(f, n) for f, n in zip(files[s], stores.parallel(rows_of, files[s], FOOTER_THREADS))]
-              for s in (train_name, val_name)}
+    footers = {s: stores.parallel(footer_of, files[s], FOOTER_THREADS) for s in (train_name, val_name)}
+    shards = {s: [Shard(f, n) for f, (n, *_) in zip(files[s], footers[s])] for s in footers}
     if features is None:  # the features datasets writes into the schema metadata of its files
         import datasets
 
@@ -211,10 +268,14 @@ def _resolve(cfg: DataConfig) -> Streamed:
                            f"feature), which streaming needs before any row is read.",
                            hint="drop data.streaming to load it whole (labels are then read and named), "
                                 "or write it once with `vramfit prepare --format webdataset`")
-    parts = [TableSamples(shards[s], image_col, label_col, len(names), cfg.read_timeout_s)
-             for s in (train_name, val_name)]
+    parts = [TableSamples(shards[s], image_col, label_col, len(names), cfg.read_timeout_s,
+                          cfg.table_cache_mb * 2 ** 20) for s in (train_name, val_name)]
+    # The processes a run is launched as (torchrun, accelerate and vramfit's own launch all set it):
+    # each reads its block of the partitions, so its window is its share of the buffer.
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    note = window_note(cfg, *map(sum, zip(*footers[train_name])), processes)
     return Streamed(parts[0], parts[1], names, f"{desc}, streamed ({len(shards[train_name])} "
-                    f"{train_name} file(s), {len(shards[val_name])} {val_name})")
+                    f"{train_name} file(s), {len(shards[val_name])} {val_name})", [note] if note else [])
 
 
 def data_files(cfg: DataConfig) -> tuple[dict[str, list[str]], object, str]:
