@@ -251,6 +251,7 @@ def test_fsdp2_step_equals_one_process(tmp_path):
     _assert_same_weights(single, res["weights"])
 
 
+@pytest.mark.slow  # over 15 s; CI runs the slow selection as well
 def test_ema_and_batchnorm_statistics_are_one_model_and_resume_exactly(folder, tmp_path):
     """Train-mode BatchNorm and an EMA on 2 processes: each process's statistics follow its own
     batches, so they are averaged (live and EMA alike) before every evaluation, and each process's
@@ -269,6 +270,7 @@ def test_ema_and_batchnorm_statistics_are_one_model_and_resume_exactly(folder, t
     assert any(k.endswith("running_mean") for k in ema) and all(torch.equal(ema[k], b[k]) for k in b)
 
 
+@pytest.mark.slow  # over 15 s; CI runs the slow selection as well
 def test_resuming_with_more_processes_than_the_checkpoint(folder, tmp_path):
     """A 1-process checkpoint resumed on 2 processes: refused with a printed error on its own, and
     with allow_resume_change it continues (same sample order, fresh per-process random streams)."""
@@ -290,6 +292,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # over 15 s; CI runs the slow selection as well
 def test_two_machines_over_loopback_equal_two_processes_on_one(folder, tmp_path, micro_4):
     """Two `torchrun` invocations with one process each and a c10d rendezvous on 127.0.0.1 (what
     accel_configs/multi_node.yaml and scripts/slurm_multi_node.sbatch set up on two machines) write

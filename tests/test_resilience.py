@@ -384,6 +384,7 @@ def test_signal_during_evaluation_saves_the_trained_epoch(train_cli, reference):
     assert _evals(run_dir) == _evals(reference)
 
 
+@pytest.mark.slow  # over 15 s; CI runs the slow selection as well
 def test_a_stop_signal_while_the_run_is_set_up_says_so_and_the_saved_checkpoint_resumes(train_cli, reference,
                                                                                          tmp_path):
     """A stop signal before the first step (torch loading, the data read, the model built) has no
