@@ -44,14 +44,26 @@ def test_a_full_disk_keeps_the_file_as_it_was_and_names_the_path_and_the_free_sp
     with full_disk(tmp_path / "disk") as disk:
         storage.write_json(disk / "summary.json", {"step": 1})
         fill(disk)
-        with pytest.raises(VramfitError) as e:
-            storage.write_json(disk / "summary.json", {"step": 2, "pad": "x" * 100_000}, "the run's summary")
+        storage.watch(disk)  # a run's folder: its files move with --output
+        try:
+            with pytest.raises(VramfitError) as e:
+                storage.write_json(disk / "summary.json", {"step": 2, "pad": "x" * 100_000}, "the run's summary")
+        finally:
+            storage.unwatch(disk)
         message = " ".join(str(e.value).split())
-        assert e.value.exit_code == 2 and "--output" in e.value.hint
+        assert e.value.exit_code == 2 and e.value.hint.startswith(f"free space on the disk holding {disk}")
+        assert "pick another --output" in e.value.hint
+        with pytest.raises(VramfitError) as e:  # a command's own file (--csv, --plot): no --output to pick
+            storage.write_json(disk / "runs.json", {"pad": "x" * 100_000}, "the table")
+        assert "--output" not in e.value.hint and "name a file on another disk" in e.value.hint
         assert f"Could not write the run's summary {disk / 'summary.json'}: the disk is full" in message
         assert "free under" in message
         assert json.loads((disk / "summary.json").read_text()) == {"step": 1}
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "summary.json"]  # no temp file left
+        with pytest.raises(VramfitError) as e:  # permission, not space: the fix says so
+            subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+            storage.write_json(disk / "summary.json", {"step": 3})
+        assert e.value.hint.startswith(f"mount {disk} writable") and "free under" not in str(e.value)
 
 
 def test_output_on_a_full_or_read_only_disk_is_told_by_the_storages_recognition(tmp_path):

@@ -149,12 +149,32 @@ def write_error(error: BaseException, path: Path, what: str = "", need: int = 0)
     if cause is None:
         return None
     # The free space, where the space may be the cause (not for a permission or a read-only disk).
-    access = any(isinstance(e, OSError) and e.errno in ACCESS_ERRNOS for e in exception_chain(error))
+    codes = {e.errno for e in exception_chain(error) if isinstance(e, OSError)}
+    access = bool(codes & set(ACCESS_ERRNOS))
     return VramfitError(f"Could not write {what + ' ' if what else ''}{path}: {cause}"
                         f"{'' if access else free_space(where)}. "
                         "Everything saved before it is kept.",
-                        hint="free space (or raise the limit, fix the permissions, or pick another --output) "
-                             "and re-run the same command")
+                        hint=f"{_fix_for(codes, where)}, or {_elsewhere(path)}; then re-run the same command")
+
+
+def _elsewhere(path: Path) -> str:
+    # A run's own files move with its --output; a command's single output file (--csv, --plot) is named.
+    path = path.absolute()
+    in_run = any(path == root or root in path.parents for root in _watched)
+    return "pick another --output" if in_run else "name a file on another disk"
+
+
+def _fix_for(codes: set, where: Path) -> str:
+    """What to do about a write that failed with these errnos, on the storage holding `where`."""
+    if errno.EROFS in codes:
+        return f"mount {where} writable"
+    if codes & set(ACCESS_ERRNOS):
+        return f"give this user write permission on {where}"
+    if errno.EFBIG in codes:
+        return "raise the file size limit (`ulimit -f unlimited`)"
+    if errno.EDQUOT in codes:
+        return f"free space within your quota on {where}"
+    return f"free space on the disk holding {where}"
 
 
 def escaped_fault(error: BaseException, near: Path | None = None, what: str = "a file in the run folder"
