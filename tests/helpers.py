@@ -85,6 +85,21 @@ def tiny_args(*extra):
             "--set", "data.limit_val_samples=120", *extra]
 
 
+# The tiny run's subset, written into a prepared dataset (shards, parquet): a run on it reads it all.
+PREPARED_SUBSET = ("--set", "data.val_fraction=0.2", "--set", "data.limit_train_samples=160",
+                   "--set", "data.limit_val_samples=40")
+
+
+def source_args(source, *extra):
+    """tiny_args on another `--data` (a prepared dataset holding its own subset: no limits)."""
+    args = tiny_args(*extra)
+    args[args.index("digits")] = str(source)
+    for key in ("data.limit_train_samples=480", "data.limit_val_samples=120"):
+        at = args.index(key)
+        del args[at - 1:at + 1]
+    return args
+
+
 def weight_file(folder: Path, model_name: str = "test_resnet", num_classes: int = 10, seed: int = 0) -> Path:
     """A seeded weight file of `model_name` for `model.pretrained_path` (written once per folder):
     staged fine-tuning (train.freeze_epochs) runs only on trained weights, never on a random init."""

@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from helpers import last_weights, same_weights, tiny_args
+from helpers import PREPARED_SUBSET, last_weights, same_weights, source_args
 
 
 @pytest.fixture(scope="module")
@@ -20,19 +20,10 @@ def shards(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("wds") / "digits-wds"
     assert run(["prepare", "--data", "digits", "--output", str(out), "--format", "webdataset",
-                "--shard-samples", "32", "--set", "data.val_fraction=0.2",
-                "--set", "data.limit_train_samples=160", "--set", "data.limit_val_samples=40"]) == 0
+                "--shard-samples", "32", *PREPARED_SUBSET]) == 0
     (out / "index.json").unlink()
     return out
 
-
-def _args(source, *extra):
-    args = tiny_args(*extra)
-    args[args.index("digits")] = str(source)
-    for key in ("data.limit_train_samples=480", "data.limit_val_samples=120"):
-        at = args.index(key)
-        del args[at - 1:at + 1]
-    return args
 
 
 def _copy(shards, tmp_path):
@@ -63,7 +54,7 @@ def test_an_index_less_brace_pattern_is_counted_by_a_scan_and_trains(shards, tra
     assert [s.samples for s in index.splits["train"]] == [32] * 4  # the fifth is not in the pattern
     assert [s.samples for s in index.splits["val"]] == [32, 8]
     assert index.class_names == [str(i) for i in range(10)]
-    run_dir, code = train_cli(*_args(pattern))
+    run_dir, code = train_cli(*source_args(pattern))
     assert code == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["global_step"] == 8  # 128 samples / 16
@@ -112,7 +103,7 @@ def test_a_changed_shard_set_refuses_resume(shards, tmp_path, train_cli):
     from vramfit.errors import VramfitError
 
     data = _copy(shards, tmp_path)
-    args = _args(data / "train-{000000..000003}.tar", "--epochs", "2")
+    args = source_args(data / "train-{000000..000003}.tar", "--epochs", "2")
     run_dir, code = train_cli(*args, "--set", "debug.signal_at_step=3")
     assert code == 143
     shutil.copy(data / "train-000004.tar", data / "train-000005.tar")  # the pattern's string is unchanged
@@ -136,11 +127,11 @@ def test_limits_give_their_count_and_a_resume_is_bitwise(shards, train_cli):
     seeded = load_splits(cfg.model_copy(update={"split_seed": 1}))
     assert seeded.train.shards != splits.train.shards
     limits = ("--set", "data.limit_train_samples=70", "--set", "data.limit_val_samples=25")
-    full, code = train_cli(*_args(shards, *limits), run_name="full")
+    full, code = train_cli(*source_args(shards, *limits), run_name="full")
     assert code == 0 and json.loads((full / "summary.json").read_text())["global_step"] == 5
-    part, code = train_cli(*_args(shards, *limits, "--set", "debug.signal_at_step=2"), run_name="part")
+    part, code = train_cli(*source_args(shards, *limits, "--set", "debug.signal_at_step=2"), run_name="part")
     assert code == 143
-    part, code = train_cli(*_args(shards, *limits), run_name="part")
+    part, code = train_cli(*source_args(shards, *limits), run_name="part")
     assert code == 0
     assert same_weights(last_weights(full), last_weights(part))
 
@@ -153,7 +144,7 @@ def test_precise_bn_on_shards_draws_fixed_locations(shards, train_cli):
     assert locs == fixed_locations(samples, 40, seed=0) != fixed_locations(samples, 40, seed=1)
     assert len(set(locs)) == 40 and all(samples[loc]["image"]["bytes"] for loc in locs[:5])
     assert len({loc >> 40 for loc in locs}) > 2  # drawn over the split, not from one shard
-    run_dir, code = train_cli(*_args(shards, "--set", "model.precise_bn=40"))
+    run_dir, code = train_cli(*source_args(shards, "--set", "model.precise_bn=40"))
     assert code == 0
 
 
@@ -163,7 +154,7 @@ def test_scan_data_and_eval_read_shards(shards, tmp_path, train_cli, capsys):
     assert run(["scan-data", "--data", str(shards)]) == 0
     said = capsys.readouterr().out
     assert "200 images (train 160 / val 40)" in said
-    run_dir, code = train_cli(*_args(shards))
+    run_dir, code = train_cli(*source_args(shards))
     assert code == 0
     assert run(["eval", "--run", str(run_dir)]) == 0
     report = json.loads((run_dir / "eval-val.json").read_text())
@@ -186,7 +177,7 @@ def test_a_train_label_past_the_validation_labels_of_an_info_file_ends_at_its_sh
     info = {"splits": {"train": {"filenames": ["train-{0..1}.tar"], "shard_lengths": [16, 16]},
                        "validation": {"filenames": ["val-0.tar"], "shard_lengths": [10]}}}
     (tmp_path / "_info.json").write_text(json.dumps(info))
-    args = _args(tmp_path, "--set", "data.image_size=32")
+    args = source_args(tmp_path, "--set", "data.image_size=32")
     with pytest.raises(VramfitError) as e:
         train_cli(*args)
     assert e.value.exit_code == 2
@@ -206,7 +197,7 @@ def test_eval_reads_only_the_split_it_evaluates(tmp_path, train_cli):
     assert run(["prepare", "--data", "digits", "--output", str(shards), "--format", "webdataset",
                 "--shard-samples", "32", "--set", "data.val_fraction=0.2",
                 "--set", "data.limit_train_samples=64", "--set", "data.limit_val_samples=40"]) == 0
-    run_dir, code = train_cli(*_args(shards))
+    run_dir, code = train_cli(*source_args(shards))
     assert code == 0
     (shards / "train-000001.tar").unlink()
     assert run(["eval", "--run", str(run_dir), "--data", str(shards)]) == 0

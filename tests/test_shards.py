@@ -9,10 +9,8 @@ import tarfile
 import pytest
 
 from vramfit.cli import run
-from helpers import class_tree, last_weights, same_weights, tiny_args
+from helpers import PREPARED_SUBSET, class_tree, last_weights, same_weights, source_args
 
-LIMITS = ("--set", "data.val_fraction=0.2", "--set", "data.limit_train_samples=160",
-          "--set", "data.limit_val_samples=40")
 
 
 def _prepare(out, *extra):
@@ -22,18 +20,9 @@ def _prepare(out, *extra):
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("wds") / "digits-wds"
-    assert _prepare(out, "--shard-samples", "32", *LIMITS) == 0
+    assert _prepare(out, "--shard-samples", "32", *PREPARED_SUBSET) == 0
     return out
 
-
-def _shard_args(shards, *extra):
-    """tiny_args on the shards; the limits are the shards' own (prepare applied them)."""
-    args = tiny_args(*extra)
-    args[args.index("digits")] = str(shards)
-    for key in ("data.limit_train_samples=480", "data.limit_val_samples=120"):
-        at = args.index(key)
-        del args[at - 1:at + 1]
-    return args
 
 
 def test_prepare_writes_shards_with_the_images_as_stored_and_an_index(shards):
@@ -219,7 +208,7 @@ def test_a_truncated_shard_is_named(tmp_path, shards, train_cli):
     shard = copy / "train-000002.tar"
     shard.write_bytes(shard.read_bytes()[:4096])  # whole tar blocks: only reading it finds the cut
     with pytest.raises(VramfitError) as e:
-        train_cli(*_shard_args(copy))
+        train_cli(*source_args(copy))
     assert "train-000002.tar" in e.value.message and e.value.hint
     odd = copy / "train-000003.tar"
     odd.write_bytes(odd.read_bytes()[:1000])  # a cut the start-up check sees
@@ -229,12 +218,12 @@ def test_a_truncated_shard_is_named(tmp_path, shards, train_cli):
 
 
 def test_streamed_resume_after_a_signal_equals_an_uninterrupted_run_bitwise(shards, train_cli):
-    full, code = train_cli(*_shard_args(shards), run_name="full")
+    full, code = train_cli(*source_args(shards), run_name="full")
     assert code == 0
-    part, code = train_cli(*_shard_args(shards, "--set", "debug.signal_at_step=4"),
+    part, code = train_cli(*source_args(shards, "--set", "debug.signal_at_step=4"),
                            run_name="part")
     assert code == 143
-    part, code = train_cli(*_shard_args(shards), run_name="part")
+    part, code = train_cli(*source_args(shards), run_name="part")
     assert code == 0
 
     assert same_weights(last_weights(full), last_weights(part))
@@ -260,6 +249,6 @@ def test_a_sample_a_worker_cannot_read_is_named_without_the_workers_traceback(tm
             if not m.name.endswith(".cls") or m.name != members[-1][0].name:
                 dst.addfile(m, __import__("io").BytesIO(data))
     with pytest.raises(VramfitError) as e:
-        train_cli(*_shard_args(copy, "--set", f"data.num_workers={workers}"))
+        train_cli(*source_args(copy, "--set", f"data.num_workers={workers}"))
     assert "train-000000.tar" in e.value.message and "no .cls or .json label" in e.value.message
     assert "Traceback" not in str(e.value) and "re-write it" in (e.value.hint or "")

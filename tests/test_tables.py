@@ -9,21 +9,10 @@ import threading
 
 import pytest
 
-from helpers import last_weights, same_weights, tiny_args
+from helpers import PREPARED_SUBSET, last_weights, same_weights, source_args
 
-LIMITS = ("--set", "data.val_fraction=0.2", "--set", "data.limit_train_samples=160",
-          "--set", "data.limit_val_samples=40")
 STREAMING = ("--set", "data.streaming=true")
 
-
-def _source_args(source, *extra):
-    """tiny_args on `source`; the limits are the files' own."""
-    args = tiny_args(*extra)
-    args[args.index("digits")] = str(source)
-    for key in ("data.limit_train_samples=480", "data.limit_val_samples=120"):
-        at = args.index(key)
-        del args[at - 1:at + 1]
-    return args
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +85,7 @@ def test_streamed_parquet_trains_and_resumes_bitwise_after_a_signal(digits_table
     resumed ends with the weights of an uninterrupted streamed run, bit for bit, also when resumed
     with another row-group cache (data.table_cache_mb: execution only, said at the resume)."""
     caplog.set_level("INFO", logger="vramfit")
-    args = _source_args(digits_tables / "pq", *STREAMING)
+    args = source_args(digits_tables / "pq", *STREAMING)
     full, code = train_cli(*args, run_name="full")
     assert code == 0
     part, code = train_cli(*args, "--set", "debug.signal_at_step=4", run_name="part")
@@ -182,10 +171,10 @@ def test_tar_shards_at_a_file_url_train_as_from_their_path(tmp_path, train_cli):
 
     shards = tmp_path / "wds"
     assert run(["prepare", "--data", "digits", "--output", str(shards), "--format", "webdataset",
-                "--shard-samples", "48", *LIMITS]) == 0
-    local, code = train_cli(*_source_args(shards), run_name="local")
+                "--shard-samples", "48", *PREPARED_SUBSET]) == 0
+    local, code = train_cli(*source_args(shards), run_name="local")
     assert code == 0
-    url, code = train_cli(*_source_args(f"file://{shards}"), run_name="url")
+    url, code = train_cli(*source_args(f"file://{shards}"), run_name="url")
     assert code == 0
     assert same_weights(last_weights(local), last_weights(url))
 
@@ -200,7 +189,7 @@ def test_a_truncated_parquet_file_is_named_with_exit_2_and_a_hint(digits_tables,
     cut = copy / "train-00002-of-00004.parquet"
     cut.write_bytes(cut.read_bytes()[:-100])  # the footer is gone
     with pytest.raises(SystemExit) as e:
-        main(["train", "--output", str(tmp_path / "runs"), *_source_args(copy, *STREAMING)])
+        main(["train", "--output", str(tmp_path / "runs"), *source_args(copy, *STREAMING)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "train-00002-of-00004.parquet" in err and "truncated" in err
     assert "HINT:" in err and "Traceback" not in err
