@@ -285,7 +285,7 @@ def _encoded(item) -> tuple[bytes, str]:
 def _shuffled(n: int, split_seed: int) -> list[int]:
     """The train split's order in its shards: seeded by data.split_seed, so that a run's shuffle
     buffer, which holds a few shards' samples, mixes classes even where the source is sorted by
-    class (a folder), as WebDataset advises; the same on every run (`prepare` twice writes the same
+    class (a folder); the same on every run (`prepare` twice writes the same
     bytes). The order a run reads them in is then the sampler's (data.shards)."""
     return np.random.default_rng(mix_seed(split_seed, "shard order")).permutation(n).tolist()
 
