@@ -15,13 +15,16 @@ from helpers import PREPARED_SUBSET, last_weights, same_weights, source_args
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """digits as shards (5 train of 32, 2 val of 20), then made like another tool's: no index.json."""
+    """digits as shards (5 train of 32, 2 val of 20), then made like another tool's: no index.json,
+    no offset files (.idx)."""
     from vramfit.cli import run
 
     out = tmp_path_factory.mktemp("wds") / "digits-wds"
     assert run(["prepare", "--data", "digits", "--output", str(out), "--format", "webdataset",
                 "--shard-samples", "32", *PREPARED_SUBSET]) == 0
     (out / "index.json").unlink()
+    for sidecar in out.glob("*.idx"):
+        sidecar.unlink()
     return out
 
 

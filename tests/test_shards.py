@@ -194,6 +194,65 @@ def test_the_order_is_a_function_of_seed_and_epoch_and_a_resume_skips_by_count(s
     assert order(1, buffer=1) != order(1)
 
 
+def _without_sidecars(shards, copy):
+    import shutil
+
+    shutil.copytree(shards, copy, ignore=shutil.ignore_patterns("*.idx"))
+    return copy
+
+
+@pytest.mark.parametrize("url", [False, True])
+def test_prepare_writes_each_shards_offsets_which_a_run_reads_instead_of_its_headers(shards, monkeypatch,
+                                                                                    url):
+    """The sidecar's offsets are the scan's, for every split; the sampler takes them from it (no
+    header read), locally and through fsspec (`file://`)."""
+    from vramfit.data import shards as module
+    from vramfit.data.shards import ShardSamples, read_index, scan, written_offsets
+
+    index = read_index(f"file://{shards}" if url else str(shards))
+    assert set(index.splits) == {"train", "val"}
+    for part in index.splits.values():
+        for shard in part:
+            assert (shards / (shard.path.rsplit("/", 1)[1][:-4] + ".idx")).stat().st_size == 8 * shard.samples
+            assert written_offsets(shard).tolist() == list(scan(shard.path))
+    expected = [list(ShardSamples(index.splits["train"]).offsets(n)) for n in range(5)]
+    monkeypatch.setattr(module, "scan", lambda path: pytest.fail(f"{path}'s headers were scanned"))
+    samples = ShardSamples(index.splits["train"], read_timeout_s=10)
+    assert [list(samples.offsets(n)) for n in range(5)] == expected
+
+
+def test_a_sidecar_that_does_not_fit_its_shard_is_not_read(shards, tmp_path):
+    """A shard written again after `prepare` (its size is not index.json's), a sidecar of another
+    count or cut mid-number: the headers are scanned, the shard's real offsets, never the stale ones."""
+    import io
+    import shutil
+
+    import numpy as np
+
+    from vramfit.data.shards import ShardSamples, read_index, scan, written_offsets
+
+    copy = tmp_path / "stale"
+    shutil.copytree(shards, copy)
+    shard = copy / "train-000001.tar"
+    with tarfile.open(shard) as src:
+        members = [(m, src.extractfile(m).read()) for m in src.getmembers()]
+    with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as dst:  # a pax header before each member
+        for m, data in members:
+            m.pax_headers = {"comment": "written again"}
+            dst.addfile(m, io.BytesIO(data))
+    (copy / "train-000002.idx").write_bytes((copy / "train-000002.idx").read_bytes()[:-8])
+    (copy / "train-000003.idx").write_bytes((copy / "train-000003.idx").read_bytes()[:-3])
+    (copy / "train-000004.idx").write_bytes(np.arange(32, dtype="<i8").tobytes())  # not tar blocks
+    train = read_index(str(copy)).splits["train"]
+    old = np.fromfile(copy / "train-000001.idx", dtype="<i8").tolist()
+    assert list(scan(str(shard))) != old  # the rewrite moved the samples
+    samples = ShardSamples(train)
+    for n in range(1, 5):
+        assert written_offsets(train[n]) is None
+        assert list(samples.offsets(n)) == list(scan(train[n].path))
+    assert written_offsets(train[0]) is not None
+
+
 def test_a_truncated_shard_is_named(tmp_path, shards, train_cli):
     """A VramfitError (`vramfit` prints it with its HINT and exits 2) naming the shard: met while
     reading it, or at start when its size is no whole number of tar blocks."""
@@ -217,13 +276,18 @@ def test_a_truncated_shard_is_named(tmp_path, shards, train_cli):
     assert "train-000003.tar" in e.value.message and "truncated" in e.value.message
 
 
-def test_streamed_resume_after_a_signal_equals_an_uninterrupted_run_bitwise(shards, train_cli):
+@pytest.mark.parametrize("sidecars", [True, False])
+def test_streamed_resume_after_a_signal_equals_an_uninterrupted_run_bitwise(shards, train_cli, tmp_path,
+                                                                           sidecars):
+    """Without the offset sidecars (removed: the headers are scanned) the interrupted run resumes to
+    the same weights as the uninterrupted one with them: the same order either way."""
+    source = shards if sidecars else _without_sidecars(shards, tmp_path / "scanned")
     full, code = train_cli(*source_args(shards), run_name="full")
     assert code == 0
-    part, code = train_cli(*source_args(shards, "--set", "debug.signal_at_step=4"),
+    part, code = train_cli(*source_args(source, "--set", "debug.signal_at_step=4"),
                            run_name="part")
     assert code == 143
-    part, code = train_cli(*source_args(shards), run_name="part")
+    part, code = train_cli(*source_args(source), run_name="part")
     assert code == 0
 
     assert same_weights(last_weights(full), last_weights(part))

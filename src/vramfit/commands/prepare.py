@@ -293,10 +293,14 @@ def _shuffled(n: int, split_seed: int) -> list[int]:
 def _write_shards(ds, src, prefix: str, tmp: Path, max_bytes: float, max_samples: int,
                   order: Iterable[int]) -> dict:
     """One split as tar shards under tmp, its rows in `order`, each sample keyed by its row number
-    in the split: {"samples", "shards": [{"name", "samples", "bytes"}]}."""
+    in the split: {"samples", "shards": [{"name", "samples", "bytes", "offsets"}]}. Beside each shard,
+    its samples' header offsets (data.shards.write_offsets), so a run never scans its headers."""
     import tarfile
 
+    from ..data.shards import OFFSETS, write_offsets
+
     shards: list[dict] = []
+    offsets: list[list[int]] = []
     tar, size = None, 0
     for i in order:
         row = ds[i]
@@ -306,8 +310,11 @@ def _write_shards(ds, src, prefix: str, tmp: Path, max_bytes: float, max_samples
         if tar is None or full:
             if tar is not None:
                 tar.close()
-            shards.append({"name": f"{prefix}-{len(shards):06d}.tar", "samples": 0, "bytes": 0})
+            name = f"{prefix}-{len(shards):06d}"
+            shards.append({"name": f"{name}.tar", "samples": 0, "bytes": 0, "offsets": f"{name}{OFFSETS}"})
+            offsets.append([])
             tar, size = tarfile.open(tmp / shards[-1]["name"], "w", format=tarfile.USTAR_FORMAT), 0
+        offsets[-1].append(tar.offset)  # where the archive ends now: the sample's first header
         for name, payload in ((f"{i:08d}{ext}", data), (f"{i:08d}.cls", cls)):
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(payload), 0o444, 0  # same bytes on every run
@@ -316,6 +323,7 @@ def _write_shards(ds, src, prefix: str, tmp: Path, max_bytes: float, max_samples
         shards[-1]["samples"] += 1
     if tar is not None:
         tar.close()
-    for s in shards:
+    for s, offs in zip(shards, offsets):
         s["bytes"] = (tmp / s["name"]).stat().st_size
+        write_offsets(tmp / s["offsets"], offs)
     return {"samples": sum(s["samples"] for s in shards), "shards": shards}

@@ -10,13 +10,13 @@ divides `data.shard_partitions`; docs/data.md; MosaicML Streaming's "canonical n
 2. their samples, concatenated in that order, are cut into C = `data.shard_partitions` contiguous
    partitions, each sized to what it gives the epoch's steps (`batching.partition_shares`): each
    sample is seen once an epoch, except a last step of one sample, dropped as for every source;
-3. each partition is read (its tar headers, no image bytes) through its own shuffle buffer of
-   `data.shuffle_buffer // C` locations seeded by (seed, epoch, partition), and step t takes from
-   each partition its share of the step;
+3. each partition is read (its samples' offsets: `prepare`'s sidecar, else the tar headers; no image
+   bytes) through its own shuffle buffer of `data.shuffle_buffer // C` locations seeded by (seed,
+   epoch, partition), and step t takes from each partition its share of the step;
 4. each of P processes reads a contiguous block of C / P partitions: its share of a step is its
    partitions' part of it, so the steps, and the samples of each, are the same at any such P.
 The buffer holds locations, not images, so host memory stays bounded by it and the workers'
-prefetch. A resume re-reads the headers of the steps already trained and skips them by count: the
+prefetch. A resume re-reads the offsets of the steps already trained and skips them by count: the
 same samples in the same order, and the same augmentation (seeded by (seed, epoch, location)).
 The loader workers decode the samples of the batches they are given, so the order does not depend
 on the worker count (which `num_workers: auto` measures at each start).
@@ -46,7 +46,7 @@ import os
 import random
 import re
 import tarfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 from typing import Callable, Iterable, Iterator
 
@@ -66,6 +66,8 @@ LABEL_EXTENSIONS = (".cls", ".json")
 OPEN_SHARDS = 8  # open files a reader keeps, per process
 INFO_FILES = ("_info.json", "_info.yaml", "info.json")  # timm's reader_wds reads these
 NAME_FIELDS = ("class_name", "name")  # a .json label's class name, where it carries one
+OFFSETS = ".idx"  # a prepared shard's sidecar (`train-000000.idx`): see `write_offsets`
+OFFSET_TYPE = np.dtype("<i8")
 
 
 def is_shards(source: str) -> bool:
@@ -120,6 +122,8 @@ class Shard:
     path: str
     samples: int  # the samples a run uses: the shard's first `samples`
     total: int | None = None  # what the shard holds, where a limit uses fewer (data.limit_*_samples)
+    bytes: int | None = None  # its size when `prepare` wrote it (index.json), which its sidecar fits
+    offsets: str | None = None  # the sidecar of its samples' header offsets (`write_offsets`), if any
 
 
 def _unreadable(path: str, why: str) -> VramfitError:
@@ -336,9 +340,19 @@ class ShardSamples:
         (data.stores.within): the sampler reads them in the main process, which no worker watch covers."""
         shard = self.shards[shard_no]
         if self.read_timeout_s is None or not stores.is_url(shard.path):
-            return _checked_scan(shard, self.classes)
-        return stores.within(self.read_timeout_s, f"reading the tar headers of {shard.path}",
-                             lambda: list(_checked_scan(shard, self.classes)))
+            return self._offsets(shard, lazy=True)
+        return stores.within(self.read_timeout_s, f"reading the sample offsets of {shard.path}",
+                             self._offsets, shard)
+
+    def _offsets(self, shard: Shard, lazy: bool = False) -> Iterable[int]:
+        """From the shard's sidecar where it fits the shard (`written_offsets`), else from its headers
+        (lazily where `lazy`: a local scan holds no list); labels to check (`classes`) are read with
+        the headers."""
+        written = None if self.classes is not None else written_offsets(shard)
+        if written is not None:
+            return written[:shard.samples].tolist()
+        rows = _checked_scan(shard, self.classes)
+        return rows if lazy else list(rows)
 
     def replacement(self, loc: int, k: int) -> int:
         """The k-th candidate in place of an unreadable image: the sample k places after it among
@@ -353,6 +367,34 @@ class ShardSamples:
 @functools.lru_cache(maxsize=4)
 def _shard_locations(path: str) -> list[int]:
     return list(scan(path))
+
+
+def write_offsets(path: str | Path, offsets: list[int]) -> None:
+    """A shard's sidecar, written by `prepare` beside it: the offsets of its samples' first headers
+    (the locations' low bits), little-endian int64, one a sample, so a run reads 8 bytes a sample
+    instead of every header of the shard each epoch. A file of its own rather than a list in
+    index.json: ImageNet's 1.28 M offsets would make index.json ~10 MB, read whole at every start."""
+    Path(path).write_bytes(np.asarray(offsets, dtype=OFFSET_TYPE).tobytes())
+
+
+def written_offsets(shard: Shard) -> np.ndarray | None:
+    """A shard's offsets from its sidecar, or None where its headers are to be scanned instead: no
+    sidecar (shards of other tools, an index-less folder, a sidecar removed), or one that does not
+    fit the shard: the shard's size is not index.json's (written again since `prepare`), or the
+    sidecar's count is not the index's, or its offsets are not ascending tar blocks inside the shard.
+    The scan then reads the shard as it is and checks its count against the index."""
+    if shard.offsets is None or shard.bytes is None:
+        return None
+    try:
+        if stores.size(shard.path) != shard.bytes:
+            return None
+        offs = np.frombuffer(stores.read_bytes(shard.offsets), dtype=OFFSET_TYPE)
+    except (OSError, ValueError):  # missing, or not a whole number of int64
+        return None
+    fits = len(offs) == (shard.samples if shard.total is None else shard.total) and (
+        not len(offs) or offs[0] >= 0 and offs[-1] < shard.bytes and not np.any(offs % BLOCK)
+        and bool(np.all(np.diff(offs) > 0)))
+    return offs if fits else None
 
 
 def _label(data: bytes, ext: str) -> int:
@@ -578,11 +620,18 @@ def read_index(source: str) -> ShardIndex:
 
 def _from_index(meta: dict, folder: str) -> dict[str, list[Shard]]:
     try:
-        return {name: [Shard(stores.join(folder, s["name"]), int(s["samples"])) for s in part["shards"]]
-                for name, part in meta["splits"].items()}
+        return {name: [_indexed(folder, s) for s in part["shards"]] for name, part in meta["splits"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise VramfitError(f"{stores.join(folder, INDEX)} is not a shard index: {type(e).__name__}: {e}",
                            hint="re-write it with `vramfit prepare --format webdataset`") from None
+
+
+def _indexed(folder: str, entry: dict) -> Shard:
+    """A shard as index.json lists it: {"name", "samples"}, and from `prepare` "bytes" and "offsets"."""
+    size, sidecar = entry.get("bytes"), entry.get("offsets")
+    return Shard(stores.join(folder, entry["name"]), int(entry["samples"]),
+                 bytes=None if size is None else int(size),
+                 offsets=None if sidecar is None else stores.join(folder, str(sidecar)))
 
 
 def _remote_index(source: str) -> ShardIndex:
@@ -738,7 +787,8 @@ def limited(shards: list[Shard], limit: int | None, seed: int) -> list[Shard]:
     keep, left = {}, limit
     for i in order:
         take = min(left, shards[i].samples)
-        keep[i] = shards[i] if take == shards[i].samples else Shard(shards[i].path, take, shards[i].samples)
+        keep[i] = shards[i] if take == shards[i].samples else replace(shards[i], samples=take,
+                                                                        total=shards[i].samples)
         left -= take
         if not left:
             break

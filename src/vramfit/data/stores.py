@@ -53,9 +53,13 @@ def is_dir(path: str) -> bool:
     return os.path.isdir(path) if not is_url(path) else bool(_fs(path).isdir(path))
 
 
-def read_text(path: str) -> str:
+def read_bytes(path: str) -> bytes:
     with open_binary(path) as f:
-        return f.read().decode()
+        return f.read()
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode()
 
 
 def join(folder: str, name: str) -> str:
