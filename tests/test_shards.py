@@ -223,13 +223,15 @@ def test_prepare_writes_each_shards_offsets_which_a_run_reads_instead_of_its_hea
 
 def test_a_sidecar_that_does_not_fit_its_shard_is_not_read(shards, tmp_path):
     """A shard written again after `prepare` (its size is not index.json's), a sidecar of another
-    count or cut mid-number: the headers are scanned, the shard's real offsets, never the stale ones."""
+    count or cut mid-number: the headers are scanned, the shard's real offsets, never the stale ones;
+    an index whose count is not the shard's is named, sidecar or not."""
     import io
     import shutil
 
     import numpy as np
 
     from vramfit.data.shards import ShardSamples, read_index, scan, written_offsets
+    from vramfit.errors import VramfitError
 
     copy = tmp_path / "stale"
     shutil.copytree(shards, copy)
@@ -251,6 +253,11 @@ def test_a_sidecar_that_does_not_fit_its_shard_is_not_read(shards, tmp_path):
         assert written_offsets(train[n]) is None
         assert list(samples.offsets(n)) == list(scan(train[n].path))
     assert written_offsets(train[0]) is not None
+    index = json.loads((copy / "index.json").read_text())
+    index["splits"]["train"]["shards"][0]["samples"] = 33  # the shard and its sidecar hold 32
+    (copy / "index.json").write_text(json.dumps(index))
+    with pytest.raises(VramfitError, match="train-000000.tar.*holds 32 samples, its index says 33"):
+        list(ShardSamples(read_index(str(copy)).splits["train"]).offsets(0))
 
 
 def test_a_truncated_shard_is_named(tmp_path, shards, train_cli):
