@@ -32,6 +32,14 @@ def epoch_seconds(source: str, epoch: int) -> float:
     return time.perf_counter() - t0
 
 
+def _best(source: str, repeats: int) -> tuple[float, int]:
+    """The best epoch's seconds over `repeats` epochs, and the train samples an epoch holds."""
+    from vramfit.data.shards import read_index
+
+    n = sum(s.samples for s in read_index(source).splits["train"])
+    return min(epoch_seconds(source, e) for e in range(repeats)), n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=2000)
@@ -52,14 +60,17 @@ def main(argv=None) -> int:
                     "--shard-samples", str(args.per_shard), "--set", "data.val_fraction=0.1"]) == 0
     if not scanned.exists():
         shutil.copytree(wds, scanned, ignore=shutil.ignore_patterns("*.idx"))
-    print(f"{'case':<34} {'epoch s':>8} {'us/sample':>10}")
-    for where, prefix in (("local", ""), ("file:// URL", "file://")):
-        for what, path in (("sidecars", wds), ("header scan", scanned)):
-            from vramfit.data.shards import read_index
-
-            n = sum(s.samples for s in read_index(f"{prefix}{path}").splits["train"])
-            best = min(epoch_seconds(f"{prefix}{path}", e) for e in range(args.repeats))
-            print(f"{where + ', ' + what:<34} {best:8.3f} {best / n * 1e6:10.1f}")
+    print(f"{'case':<34} {'epoch s':>8} {'us/sample':>10} {'vs scan':>8}")
+    try:
+        for where, prefix in (("local", ""), ("file:// URL", "file://")):
+            times = {what: _best(f"{prefix}{path}", args.repeats)
+                     for what, path in (("header scan", scanned), ("sidecars", wds))}
+            for what, (best, n) in times.items():
+                ratio = times["header scan"][0] / best
+                print(f"{where + ', ' + what:<34} {best:8.3f} {best / n * 1e6:10.1f} {ratio:7.1f}x")
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -323,3 +323,13 @@ def test_a_sample_a_worker_cannot_read_is_named_without_the_workers_traceback(tm
         train_cli(*source_args(copy, "--set", f"data.num_workers={workers}"))
     assert "train-000000.tar" in e.value.message and "no .cls or .json label" in e.value.message
     assert "Traceback" not in str(e.value) and "re-write it" in (e.value.hint or "")
+
+
+def test_the_offsets_bench_runs_and_prints_each_case_against_the_scan(capsys):
+    from helpers import bench_module
+
+    assert bench_module("shard_offsets").main(["--images", "40", "--per-shard", "10", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for case in ("local, header scan", "local, sidecars", "file:// URL, header scan", "file:// URL, sidecars"):
+        assert case in out
+    assert out.count("x\n") == 4 and "   1.0x" in out
