@@ -283,7 +283,8 @@ def test_a_truncated_shard_is_named(tmp_path, shards, train_cli):
     assert "train-000003.tar" in e.value.message and "truncated" in e.value.message
 
 
-@pytest.mark.parametrize("sidecars", [True, False])
+# Scanned headers: slow (the index-less shards of test_shard_sources resume bitwise by the scan by default).
+@pytest.mark.parametrize("sidecars", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_streamed_resume_after_a_signal_equals_an_uninterrupted_run_bitwise(shards, train_cli, tmp_path,
                                                                            sidecars):
     """Without the offset sidecars (removed: the headers are scanned) the interrupted run resumes to
