@@ -394,8 +394,11 @@ def test_the_run_folder_removed_under_two_processes_ends_both_with_the_message(t
         if proc.poll() is None:
             proc.kill()
     flat = " ".join(err.split())
-    # torchrun exits 1 and names each worker's own exit code
-    assert proc.returncode == 1 and err.count("exitcode  : 2 ") == 2, err[-4000:]
+    # torchrun exits 1 and names each worker's own exit code: 2, though where process 0 ends first
+    # torchrun may stop process 1 (SIGTERM) before it has ended by itself, on a loaded machine
+    stopped_by_torchrun = "Sending process" in err and "closing signal SIGTERM" in err
+    exits = (1, 2) if stopped_by_torchrun else (2,)
+    assert proc.returncode == 1 and err.count("exitcode  : 2 ") in exits, err[-4000:]
     assert flat.count("was removed while the run was writing it") == 1 and "HINT:" in flat
     assert "src/vramfit" not in err and "[rank1]" not in err  # torchrun's report follows, no frame of ours
     assert not (tmp_path / "gone").exists()
