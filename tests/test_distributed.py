@@ -375,8 +375,8 @@ def test_two_processes_launched_by_hand_and_a_second_later_equal_torchrun(folder
 
 def test_the_run_folder_removed_under_two_processes_ends_both_with_the_message(tmp_path):
     """`rm -rf` of the run folder while 2 processes train: the main process, which writes the record,
-    meets it; the other learns it at the next step's vote instead of waiting in it. Both exit 2,
-    the message once, no traceback of ours, no hang (bounded by the timeout)."""
+    meets it; the other learns it at the next step's vote instead of waiting in it. Both exit 2
+    (or torchrun stops the other once the main process has ended), the message once, no traceback of ours, no hang (bounded by the timeout)."""
     import shutil
 
     from helpers import tiny_args, wait_for_lines
