@@ -192,8 +192,13 @@ def test_the_run_folder_removed_mid_run_stops_the_run_and_is_not_recreated(tmp_p
 
 
 def _ends_as_removed(args: list[str], cwd, until, fault) -> None:
-    """`vramfit` run with `args` in a new process; once `until(proc)` returns, `fault()` takes its
-    run folder away: the run must end with exit 2 and the removed-folder message, no traceback."""
+    """The run folder taken away mid-run (`_fault_mid_run`): the removed-folder message."""
+    assert "was removed while the run was writing it" in _fault_mid_run(args, cwd, until, fault)
+
+
+def _fault_mid_run(args: list[str], cwd, until, fault) -> str:
+    """`vramfit` run with `args` in a new process; once `until(proc)` returns, `fault()` lands: the
+    run must end with exit 2, a HINT and no traceback. Its standard error, on one line."""
     proc = subprocess.Popen([sys.executable, "-m", "vramfit.cli", *args], cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -205,7 +210,8 @@ def _ends_as_removed(args: list[str], cwd, until, fault) -> None:
             proc.kill()
     flat = " ".join(err.split())
     assert proc.returncode == 2, err[-3000:]
-    assert "was removed while the run was writing it" in flat and "HINT:" in flat and "Traceback" not in err
+    assert "HINT:" in flat and "Traceback" not in err, err[-3000:]
+    return flat
 
 
 # 10 steps, a checkpoint every 2: a fault lands between two saves within seconds.
@@ -240,18 +246,10 @@ def test_a_disk_filled_mid_run_stops_it_and_once_freed_the_same_command_resumes_
         tmp_path, train_cli, short_reference):
     with full_disk(tmp_path / "disk", "24m") as disk:
         args = ["train", *SHORT, "--output", str(disk), "--run-name", "full"]
-        proc = subprocess.Popen([sys.executable, "-m", "vramfit.cli", *args], cwd=tmp_path,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        try:
-            _until(lambda: checkpoint.list_steps(disk / "full" / "checkpoints"), proc)
-            fill(disk)  # another program took the space, mid-run
-            _, err = proc.communicate(timeout=180)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        flat = " ".join(err.split())
-        assert proc.returncode == 2, err[-3000:]
-        assert "the disk is full" in flat and "HINT:" in flat and "Traceback" not in err, err[-3000:]
+        saved = lambda: checkpoint.list_steps(disk / "full" / "checkpoints")  # noqa: E731
+        flat = _fault_mid_run(args, tmp_path, lambda proc: _until(saved, proc),
+                              lambda: fill(disk))  # another program took the space, mid-run
+        assert "the disk is full" in flat
         saved = checkpoint.list_steps(disk / "full" / "checkpoints")
         assert saved and saved[-1][0] < 10 and not list((disk / "full" / "checkpoints").glob(".tmp-*"))
         (disk / "filler").unlink()  # space freed: the same command goes on from the newest checkpoint
