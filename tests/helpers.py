@@ -187,6 +187,18 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def remove_tree(path: Path, tries: int = 50) -> None:
+    """`rm -rf` of a folder a running process still writes: a file it makes between the listing and
+    the rmdir makes one pass fail (ENOTEMPTY), as a cleanup script would then run it again."""
+    import shutil
+
+    for _ in range(tries):
+        shutil.rmtree(path, ignore_errors=True)
+        if not Path(path).exists():
+            return
+    raise AssertionError(f"{path} could not be removed in {tries} passes")
+
+
 def wait_for_lines(path: Path, lines: int, timeout: float = 120.0) -> None:
     """Until a run in another process has written `lines` lines into `path` (its metrics.jsonl):
     the moment a test may signal it mid-run."""

@@ -376,10 +376,9 @@ def test_two_processes_launched_by_hand_and_a_second_later_equal_torchrun(folder
 def test_the_run_folder_removed_under_two_processes_ends_both_with_the_message(tmp_path):
     """`rm -rf` of the run folder while 2 processes train: the main process, which writes the record,
     meets it; the other learns it at the next step's vote instead of waiting in it. Both exit 2
-    (or torchrun stops the other once the main process has ended), the message once, no traceback of ours, no hang (bounded by the timeout)."""
-    import shutil
-
-    from helpers import tiny_args, wait_for_lines
+    (or torchrun stops the other once the main process has ended), the message once, no traceback
+    of ours, no hang (bounded by the timeout)."""
+    from helpers import remove_tree, tiny_args, wait_for_lines
 
     args = [str(REPO / "train.py"), *tiny_args("--epochs", "3", "--set", "train.log_every_steps=1"),
             "--output", str(tmp_path), "--run-name", "gone"]
@@ -388,7 +387,7 @@ def test_the_run_folder_removed_under_two_processes_ends_both_with_the_message(t
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_lines(tmp_path / "gone" / "metrics.jsonl", 3)
-        shutil.rmtree(tmp_path / "gone")
+        remove_tree(tmp_path / "gone")
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import class_tree, last_weights, same_weights, tiny_args, train_args, wait_for_lines
+from helpers import (class_tree, last_weights, remove_tree, same_weights, tiny_args, train_args,
+                     wait_for_lines)
 from vramfit.errors import VramfitError
 from vramfit.runtime import storage
 from vramfit.store import checkpoint
@@ -187,7 +188,7 @@ def test_the_run_folder_removed_mid_run_stops_the_run_and_is_not_recreated(tmp_p
     args = ["train", *tiny_args("--epochs", "20", "--set", "train.log_every_steps=1"),
             "--output", str(tmp_path), "--run-name", "gone"]
     _ends_as_removed(args, tmp_path, lambda _proc: wait_for_lines(tmp_path / "gone" / "metrics.jsonl", 3),
-                     lambda: shutil.rmtree(tmp_path / "gone"))  # a cleanup script, mid-run
+                     lambda: remove_tree(tmp_path / "gone"))  # a cleanup script, mid-run
     assert not (tmp_path / "gone").exists()  # never silently rebuilt as if the run were whole
 
 
