@@ -233,12 +233,12 @@ def _padded(size: int) -> int:
     return -(-size // BLOCK) * BLOCK
 
 
-def scan(path: str) -> Iterator[int]:
-    """Header offsets of the samples of one shard, in order (no image bytes are read). A truncated
-    or damaged shard raises a VramfitError naming it."""
+def _members(path: str) -> Iterator[tuple[int, str, int, int, bool, _ShardFile]]:
+    """Every member of one shard, in order: (header offset, name, data offset, size, is a file, the
+    open shard to read its data from). A truncated or damaged shard raises a VramfitError naming it."""
     file = _ShardFile(path)
     try:
-        key, offset = None, 0
+        offset = 0
         while True:
             try:
                 member = _member(file, offset, file.read(offset, BLOCK))
@@ -249,12 +249,20 @@ def scan(path: str) -> Iterator[int]:
             if member is None:
                 return
             name, data_at, size, is_file = member
-            if is_file and _stem(name) != key:
-                key = _stem(name)
-                yield offset
+            yield offset, name, data_at, size, is_file, file
             offset = data_at + _padded(size)
     finally:
         file.close()
+
+
+def scan(path: str) -> Iterator[int]:
+    """Header offsets of the samples of one shard, in order (no image bytes are read). A truncated
+    or damaged shard raises a VramfitError naming it."""
+    key = None
+    for offset, name, _, _, is_file, _ in _members(path):
+        if is_file and _stem(name) != key:
+            key = _stem(name)
+            yield offset
 
 
 class _Span:
@@ -359,14 +367,16 @@ class ShardSamples:
         the samples the split holds of its shard (a limit's first `samples`), wrapping (a function
         of the location only, so a resume replaces it the same way)."""
         shard_no = int(loc) // 2 ** SHARD_BITS
-        locs = _shard_locations(self.shards[shard_no].path)[:self.shards[shard_no].samples]
+        locs = _shard_locations(self.shards[shard_no])[:self.shards[shard_no].samples]
         pos = locs.index(int(loc) % 2 ** SHARD_BITS)
         return shard_no * 2 ** SHARD_BITS + locs[(pos + k) % len(locs)]
 
 
 @functools.lru_cache(maxsize=4)
-def _shard_locations(path: str) -> list[int]:
-    return list(scan(path))
+def _shard_locations(shard: Shard) -> list[int]:
+    """A shard's sample offsets for `replacement`: its sidecar where it fits, else its headers."""
+    written = written_offsets(shard)
+    return written.tolist() if written is not None else list(scan(shard.path))
 
 
 def write_offsets(path: str | Path, offsets: list[int]) -> None:
@@ -721,32 +731,25 @@ def survey(path: str) -> tuple[list[int | None], dict[int, str | None]]:
 def labelled(path: str) -> Iterator[tuple[int, int | None, str | None, str]]:
     """Each sample of one shard, in order: (header offset as `scan` gives it, label or None, the
     class name a `.json` label carries or None, key), from its headers and label members."""
-    tar = _open(path)
     sample: list | None = None  # [offset, label, name, key] of the sample being read
-    try:
-        while True:
+    for offset, member, data_at, size, is_file, file in _members(path):
+        if not is_file:
+            continue
+        if sample is None or _stem(member) != sample[3]:
+            if sample is not None:
+                yield tuple(sample)
+            sample = [offset, None, None, _stem(member)]
+        ext = os.path.splitext(member)[1].lower()
+        if ext in LABEL_EXTENSIONS:
             try:
-                info = tar.next()
-                if info is None:
-                    break
-                tar.members = []  # as in `scan`: a long shard must not grow memory
-                ext = os.path.splitext(info.name)[1].lower()
-                data = tar.extractfile(info).read() if info.isfile() and ext in LABEL_EXTENSIONS else None
-                label = None if data is None else _label(data, ext)
-            except (tarfile.TarError, OSError, EOFError, ValueError, KeyError, TypeError) as e:
+                data = file.read(data_at, size)
+                if len(data) < size:
+                    raise EOFError("unexpected end of data")
+                sample[1], sample[2] = _label(data, ext), _class_name(data, ext) or sample[2]
+            except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
                 raise _unreadable(path, f"{type(e).__name__}: {e}") from None
-            if not info.isfile():
-                continue
-            if sample is None or _stem(info.name) != sample[3]:
-                if sample is not None:
-                    yield tuple(sample)
-                sample = [info.offset, None, None, _stem(info.name)]
-            if data is not None:
-                sample[1], sample[2] = label, _class_name(data, ext) or sample[2]
-        if sample is not None:
-            yield tuple(sample)
-    finally:
-        _close(tar)
+    if sample is not None:
+        yield tuple(sample)
 
 
 def split_labels(samples: ShardSamples) -> list[int | None]:
